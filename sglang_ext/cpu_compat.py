@@ -1,0 +1,106 @@
+"""Hooks that let SGLang 0.5.23 and its HiCache run on a CPU-only torch.
+
+SGLang's host-memory tier assumes CUDA in three places, and one allocator helper dispatches to
+a Triton kernel for any attention backend that is not `torch_native`:
+
+1. host KV pools are allocated pinned (`cudaHostRegister`, `pin_memory=True`);
+2. the `direct` I/O backend moves KV with `sgl_kernel.kvcacheio.transfer_kv_direct`, which is
+   only imported on CUDA/ROCm/XPU, so on CPU the name is simply undefined;
+3. storage reads allocate pinned staging pages from the pool's `pin_memory` flag;
+4. `get_last_loc` uses a Triton kernel unless the backend is `torch_native`/`ascend`.
+
+Each hook changes behaviour only when the tensors involved are on the CPU, so a GPU deployment
+that happens to load the plugin keeps SGLang's own paths. Nothing in site-packages is edited:
+the hooks go through SGLang's plugin HookRegistry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HOST_POOL_CLASSES = (
+    "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost",
+    "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost",
+)
+_TRANSFER_MODULES = (
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.pool_host.mla",
+)
+# Index of `pin_memory` among the host pool constructors' positional parameters:
+# (self, buffer_info, host_to_device_ratio, host_size, page_size, layout, pin_memory).
+_PIN_MEMORY_INDEX = 6
+
+
+def cpu_compat_needed(mode: str) -> bool:
+    if mode == "on":
+        return True
+    if mode == "off":
+        return False
+    return not torch.cuda.is_available()
+
+
+def transfer_kv_direct_torch(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
+    """CPU version of `sgl_kernel.kvcacheio.transfer_kv_direct`: copy token rows per layer."""
+    del page_size  # rows are per token; page alignment is the caller's invariant
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(
+            f"transfer_kv_direct: {src_indices.numel()} source rows vs {dst_indices.numel()} destination rows"
+        )
+    src_rows = src_indices.to(torch.long)
+    dst_rows = dst_indices.to(torch.long)
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst.index_copy_(0, dst_rows, src.index_select(0, src_rows).to(dst.dtype))
+
+
+def _unpinned_host_pool(*args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """BEFORE hook on host-pool constructors: pinning needs CUDA, so turn it off on CPU."""
+    if len(args) > _PIN_MEMORY_INDEX or kwargs.get("pin_memory") is False:
+        return None
+    kwargs["pin_memory"] = False
+    return args, kwargs
+
+
+def _get_last_loc_on_cpu(
+    original: Callable[..., torch.Tensor], req_to_token: torch.Tensor, *args: Any
+) -> torch.Tensor:
+    """AROUND hook on `get_last_loc`: the Triton dispatch cannot run on CPU tensors."""
+    if req_to_token.device.type != "cpu":
+        return original(req_to_token, *args)
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+    return get_last_loc_torch(req_to_token, *args)
+
+
+def install(register_hook: Callable[[str, Callable[..., Any], Any], None]) -> list[str]:
+    """Register the CPU hooks; returns the hooked targets (for the log line)."""
+    import importlib
+
+    from sglang.srt.plugins.hook_registry import HookType
+
+    targets: list[str] = []
+    for cls_path in _HOST_POOL_CLASSES:
+        register_hook(f"{cls_path}.__init__", _unpinned_host_pool, HookType.BEFORE)
+        targets.append(f"{cls_path}.__init__")
+    register_hook(
+        "sglang.srt.mem_cache.allocation.get_last_loc", _get_last_loc_on_cpu, HookType.AROUND
+    )
+    targets.append("sglang.srt.mem_cache.allocation.get_last_loc")
+    for module_name in _TRANSFER_MODULES:
+        module = importlib.import_module(module_name)
+        # Only fill the gap: on CUDA/ROCm/XPU the module already bound the real kernel.
+        if not hasattr(module, "transfer_kv_direct"):
+            module.transfer_kv_direct = transfer_kv_direct_torch  # type: ignore[attr-defined]
+            targets.append(f"{module_name}.transfer_kv_direct")
+    return targets

@@ -1,0 +1,162 @@
+"""Attention of a set of queries over pooled K/V with a position-based causal mask.
+
+A query at global position p sees every key whose position is <= p. This is the one rule the
+extend path, the decode path and the fused (non-prefix) prefill all need: it does not assume
+the queries are the last tokens of the sequence, nor that they are contiguous, so cached prefix
+tokens are never recomputed as redundant queries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+
+def position_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attend `query` [q, Hq, D] over `key`/`value` [k, Hkv, D] by position.
+
+    Grouped-query attention is handled when Hq is a multiple of Hkv. Returns [q, Hq, Dv].
+    """
+    if query.shape[0] == 0:
+        return query.new_empty((0, query.shape[1], value.shape[-1]))
+    q = query.transpose(0, 1).unsqueeze(0)
+    k = key.transpose(0, 1).unsqueeze(0)
+    v = value.transpose(0, 1).unsqueeze(0)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    gqa = q.shape[1] != k.shape[1]
+    keys_from_zero = _is_arange(key_positions)
+    prefix_len = key.shape[0] - query.shape[0]
+    new_tokens_last = keys_from_zero and _is_arange(query_positions, start=prefix_len)
+    if new_tokens_last and prefix_len == 0:
+        # Plain causal self-attention: let SDPA pick its fused causal kernel.
+        out = scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif int(query_positions.min()) >= int(key_positions.max()):
+        # Every query sees every key (decode, or a last-token extend): no mask to build.
+        out = scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    elif new_tokens_last and _cpu_flash_with_lse is not None and q.device.type == "cpu":
+        out = _prefix_extend_attention(q, k, v, prefix_len, scale)
+    else:
+        mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def gather_attend(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attend queries over the K/V held at `slot_ids` of a token pool.
+
+    `slot_ids[i]` is the pool slot of the token at position i of the sequence, so key positions
+    are 0..len(slot_ids)-1.
+    """
+    keys = key_cache[slot_ids]
+    values = value_cache[slot_ids]
+    key_positions = torch.arange(slot_ids.shape[0], device=query_positions.device)
+    return position_causal_attention(query, keys, values, query_positions, key_positions, scale)
+
+
+def _is_arange(positions: torch.Tensor, start: int = 0) -> bool:
+    n = positions.shape[0]
+    return (
+        n > 0
+        and bool(positions[0] == start)
+        and bool(positions[n - 1] == start + n - 1)
+        and (n < 2 or bool(torch.all(positions[1:] - positions[:-1] == 1)))
+    )
+
+
+# torch's CPU flash kernel also returns the log-sum-exp, which lets two partial attentions be
+# merged exactly. It is an aten op without a public wrapper; without it we use the mask path.
+_cpu_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_extend_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float | None
+) -> torch.Tensor:
+    """New tokens at positions prefix_len.. over keys 0..: the prefix part needs no mask and the
+    new part is square-causal, so both run on the fast kernels (a masked kernel cannot skip
+    blocks), and the halves are merged by their log-sum-exps. Shapes are [1, H, L, D]."""
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out_prefix, lse_prefix = _cpu_flash_with_lse(
+        q, k[:, :, :prefix_len], v[:, :, :prefix_len], scale=scale
+    )
+    out_new, lse_new = _cpu_flash_with_lse(
+        q, k[:, :, prefix_len:], v[:, :, prefix_len:], is_causal=True, scale=scale
+    )
+    weight_prefix = torch.sigmoid(lse_prefix.float() - lse_new.float()).unsqueeze(-1)
+    merged = out_new.float() + weight_prefix * (out_prefix.float() - out_new.float())
+    return merged.to(q.dtype)
+
+
+def flashinfer_available() -> bool:
+    """True when the optional FlashInfer package imports (never required)."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """`position_causal_attention` with an optional FlashInfer kernel.
+
+    backend: "torch"; "flashinfer" (error if unusable); "auto" (FlashInfer for CUDA fp16/bf16
+    when installed, else torch).
+    """
+    if backend not in ("torch", "flashinfer", "auto"):
+        raise ValueError(f"unknown attention backend {backend!r}")
+    usable = (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[0] > 0
+        and flashinfer_available()
+    )
+    if backend == "flashinfer" and not usable:
+        raise ValueError("flashinfer backend needs CUDA fp16/bf16 tensors and flashinfer installed")
+    if backend == "torch" or not usable:
+        return position_causal_attention(query, key, value, query_positions, key_positions, scale)
+    return _flashinfer_attention(query, key, value, query_positions, key_positions, scale)
+
+
+def _flashinfer_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    import flashinfer
+
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    if query.shape[0] == key.shape[0] and _is_arange(query_positions) and _is_arange(key_positions):
+        return flashinfer.single_prefill_with_kv_cache(
+            query, key, value, causal=True, sm_scale=scale
+        )
+    mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
+    return flashinfer.single_prefill_with_kv_cache(
+        query, key, value, custom_mask=mask, causal=False, sm_scale=scale
+    )

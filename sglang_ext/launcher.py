@@ -1,0 +1,188 @@
+"""Start and stop a real `python -m sglang.launch_server` with the extension, as a subprocess.
+
+Used by the demo, the benchmarks and the end-to-end tests. The server runs in its own process
+group, so stopping it (or an exception in the caller) leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy; the message carries its log tail."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Flags for a CPU development server; defaults are the embedded demo setup."""
+
+    model_path: str
+    port: int = 30000
+    host: str = "127.0.0.1"
+    attention_backend: str = "torch_position"
+    radix_cache_backend: str | None = "hicache_ext"
+    dtype: str = "float32"  # SGLang's "auto" turns fp32 checkpoints into fp16, slow on CPU
+    max_total_tokens: int = 16384
+    page_size: int = 16
+    hierarchical_cache: bool = False
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--device",
+            "cpu",
+            "--dtype",
+            self.dtype,
+            "--attention-backend",
+            self.attention_backend,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--skip-server-warmup",
+            "--max-total-tokens",
+            str(self.max_total_tokens),
+            "--mem-fraction-static",
+            "0.3",
+            "--page-size",
+            str(self.page_size),
+        ]
+        if self.radix_cache_backend:
+            cmd += ["--radix-cache-backend", self.radix_cache_backend]
+        if self.hierarchical_cache:
+            cmd += [
+                "--enable-hierarchical-cache",
+                "--hicache-io-backend",
+                "direct",
+                "--hicache-mem-layout",
+                "layer_first",
+            ]
+            if self.hicache_storage_backend:
+                cmd += ["--hicache-storage-backend", self.hicache_storage_backend]
+        return [*cmd, *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            SGLANG_USE_CPU_ENGINE="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
+        if self.hicache_storage_dir:
+            # HiCacheFile reads its folder from this variable.
+            env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.hicache_storage_dir
+        env.update(self.env)
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def stop_process_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=grace_s)
+    except ProcessLookupError:
+        pass
+
+
+@contextmanager
+def running_server(
+    config: ServerConfig, log_path: Path, startup_timeout_s: float = 300.0
+) -> Iterator[ServerConfig]:
+    """Start the server, wait until `/health` answers, yield, then stop the whole process group."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            config.command(),
+            env=config.environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with status {process.returncode} during startup; log {log_path}:\n{_tail(log_path)}"
+                )
+            try:
+                if requests.get(config.url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"server not healthy after {startup_timeout_s:.0f}s; log {log_path}:\n{_tail(log_path)}"
+                )
+            time.sleep(1.0)
+        yield config
+    finally:
+        stop_process_group(process)
+
+
+def generate(
+    url: str, text: str, max_new_tokens: int = 8, timeout_s: float = 1200.0, **extra: object
+) -> dict:
+    """Greedy `/generate` request; returns the response JSON (raises on an HTTP error)."""
+    response = requests.post(
+        url + "/generate",
+        json={
+            "text": text,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+            **extra,
+        },
+        timeout=timeout_s,
+    )
+    response.raise_for_status()
+    return response.json()
+
+
+def flush_cache(url: str, attempts: int = 30) -> None:
+    """`/flush_cache`, retried: SGLang refuses it while requests are still running."""
+    for _ in range(attempts):
+        if requests.post(url + "/flush_cache", timeout=60).status_code == 200:
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"{url}/flush_cache refused {attempts} times (requests still running?)")

@@ -1,0 +1,57 @@
+"""SGLang plugin entry point (`sglang.srt.plugins`: `hicache_ext = sglang_ext.plugin:register`).
+
+`register()` runs in every SGLang process before the server arguments are parsed. It makes
+`--radix-cache-backend hicache_ext` and `--attention-backend torch_position` available,
+reports our state in `/server_info`, installs the CPU compatibility hooks when torch has no
+CUDA device, and, in the launching process only, the preflight checks (settings always;
+model folder and port unless `preflight_checks = false`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+from sglang_ext import attention_backend, cpu_compat, preflight, radix_cache
+from sglang_ext.settings import ExtensionSettings, SettingsError, load_settings
+
+logger = logging.getLogger(__name__)
+
+
+def _settings_for_registration() -> ExtensionSettings:
+    # A bad file is reported by the preflight check (launch) or the cache factory (Engine);
+    # registration itself must not fail halfway, so it proceeds on defaults.
+    try:
+        return load_settings()
+    except SettingsError:
+        return ExtensionSettings()
+
+
+def register() -> None:
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    settings = _settings_for_registration()
+    if get_radix_cache_factory(radix_cache.BACKEND_NAME) is None:
+        register_radix_cache_backend(radix_cache.BACKEND_NAME, radix_cache.build_tree_cache)
+    attention_backend.register()
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+        radix_cache.add_status_to_internal_state,
+        HookType.AFTER,
+    )
+    hooked: list[str] = []
+    if cpu_compat.cpu_compat_needed(settings.cpu_compat):
+        hooked = cpu_compat.install(HookRegistry.register)
+    if multiprocessing.parent_process() is None:
+        HookRegistry.register(
+            "sglang.srt.server_args.ServerArgs.resolve_once",
+            preflight.before_resolve,
+            HookType.BEFORE,
+        )
+    logger.info(
+        "sglang-hicache-ext registered: radix backend %r, attention backend %r, CPU hooks: %s",
+        radix_cache.BACKEND_NAME,
+        attention_backend.BACKEND_NAME,
+        ", ".join(hooked) or "none",
+    )

@@ -1,0 +1,99 @@
+"""Checks run in the launching process before SGLang resolves its arguments.
+
+Without them a missing model folder, a busy port or a bad settings file surfaces as a long
+traceback (SGLang reads the model config while resolving arguments, and binds the port only
+after starting its subprocesses). From the command line (`python -m sglang.launch_server`,
+`sglang serve`) each failure is one line naming the problem and the fix, and exit status 2;
+through the Python `Engine` API it is a `PreflightError` (a ValueError) to catch.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from sglang_ext.settings import ExtensionSettings, SettingsError, load_settings
+
+
+class PreflightError(ValueError):
+    """A launch that cannot succeed, with a message meant for the operator."""
+
+
+def check_settings(server_args: Any) -> ExtensionSettings:
+    try:
+        return load_settings(server_args.hicache_storage_backend_extra_config)
+    except SettingsError as err:
+        raise PreflightError(f"bad hicache_ext settings: {err}") from err
+
+
+def _looks_local(model_path: str) -> bool:
+    # Hub ids are "org/name"; anything absolute, relative-dotted or home-based is a folder.
+    return model_path.startswith(("/", "./", "../", "~")) or Path(model_path).expanduser().exists()
+
+
+def check_model_path(model_path: str) -> None:
+    if not _looks_local(model_path):
+        return
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise PreflightError(
+            f"--model-path {model_path}: no such folder (prepare it, e.g. `python scripts/prepare_models.py smollm2`)"
+        )
+    if path.is_dir() and not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+        raise PreflightError(
+            f"--model-path {model_path}: the folder has no config.json; is it a model folder?"
+        )
+
+
+def check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise PreflightError(
+                    f"--port {port}: {host}:{port} is already in use; stop the process holding it or choose another port"
+                ) from err
+            raise PreflightError(
+                f"--host {host} --port {port}: cannot bind ({err.strerror})"
+            ) from err
+
+
+def launched_from_command_line() -> bool:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return (spec is not None and spec.name == "sglang.launch_server") or Path(
+        sys.argv[0]
+    ).name == "sglang"
+
+
+def run_checks(server_args: Any, serving_http: bool) -> None:
+    """Settings are always checked; `preflight_checks = false` skips the model and port checks."""
+    settings = check_settings(server_args)
+    if not settings.preflight_checks:
+        return
+    check_model_path(str(server_args.model_path))
+    if serving_http:
+        check_port_free(server_args.host, server_args.port)
+
+
+_checked: set[int] = set()
+
+
+def before_resolve(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on `ServerArgs.resolve_once`: runs once per ServerArgs object."""
+    if id(server_args) in _checked:
+        return
+    _checked.add(id(server_args))
+    from_cli = launched_from_command_line()
+    try:
+        run_checks(server_args, serving_http=from_cli)
+    except PreflightError as err:
+        if not from_cli:
+            raise
+        print(f"sglang-hicache-ext: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -1,0 +1,144 @@
+"""Extension settings: one JSON or TOML file, validated strictly.
+
+The file is named by the environment variable `SGLANG_HICACHE_EXT_CONFIG`, or by the key
+`"hicache_ext_config"` inside SGLang's `--hicache-storage-backend-extra-config` JSON (which may
+also hold the settings inline as an object). Unknown keys and bad values raise
+`SettingsError` with the offending key and the allowed values, so the server stops with one
+clear line instead of running with a typo silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+CONFIG_ENV_VAR = "SGLANG_HICACHE_EXT_CONFIG"
+EXTRA_CONFIG_KEY = "hicache_ext_config"
+
+
+class SettingsError(ValueError):
+    """A settings file or value that the extension refuses to start with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtensionSettings:
+    """What a user can set; every field has a sane default."""
+
+    # Apply the CPU compatibility hooks (host-pool pinning, KV transfers, ...): "auto" applies
+    # them when torch has no CUDA device.
+    cpu_compat: Literal["auto", "on", "off"] = "auto"
+    # Check model path, port and settings before SGLang starts its subprocesses.
+    preflight_checks: bool = True
+    # Tree core used by the hicache_ext radix cache. Our subclass overrides Python methods, so
+    # only the Python core honours them.
+    tree_core: Literal["python"] = "python"
+    # Report extension state under `internal_states[i]["hicache_ext"]` of `/server_info`.
+    report_in_server_info: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], source: str) -> ExtensionSettings:
+        hints = get_type_hints(cls)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise SettingsError(
+                f"{source}: unknown setting(s) {', '.join(map(repr, unknown))}; "
+                f"known settings: {', '.join(known)}"
+            )
+        for name, value in values.items():
+            _check_value(name, value, hints[name], source)
+        return cls(**dict(values))
+
+
+def _check_value(name: str, value: Any, annotation: Any, source: str) -> None:
+    if get_origin(annotation) is Literal:
+        allowed = get_args(annotation)
+        if value not in allowed:
+            raise SettingsError(
+                f"{source}: {name} = {value!r} is not allowed; choose one of "
+                f"{', '.join(map(repr, allowed))}"
+            )
+        return
+    if annotation is bool:
+        ok = isinstance(value, bool)
+    elif annotation is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif annotation is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, annotation)
+    if not ok:
+        raise SettingsError(
+            f"{source}: {name} = {value!r} should be of type {getattr(annotation, '__name__', annotation)}"
+        )
+
+
+def read_settings_file(path: str | os.PathLike[str]) -> ExtensionSettings:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SettingsError(f"settings file {path} does not exist (named by {CONFIG_ENV_VAR})")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            values = tomllib.loads(text)
+        elif path.suffix == ".json":
+            values = json.loads(text)
+        else:
+            raise SettingsError(f"settings file {path}: use a .toml or .json file")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise SettingsError(
+            f"settings file {path} is not valid {path.suffix[1:].upper()}: {err}"
+        ) from err
+    if not isinstance(values, dict):
+        raise SettingsError(f"settings file {path}: the top level must be a table/object")
+    return ExtensionSettings.from_mapping(values, source=str(path))
+
+
+def settings_from_extra_config(
+    extra_config: str | Mapping[str, Any] | None,
+) -> ExtensionSettings | None:
+    """Settings named or given inline in SGLang's storage-backend extra-config, if any."""
+    if extra_config is None:
+        return None
+    if isinstance(extra_config, str):
+        try:
+            extra_config = json.loads(extra_config)
+        except json.JSONDecodeError:
+            return None  # SGLang validates its own extra-config; not ours to report.
+    if not isinstance(extra_config, Mapping) or EXTRA_CONFIG_KEY not in extra_config:
+        return None
+    value = extra_config[EXTRA_CONFIG_KEY]
+    if isinstance(value, str):
+        return read_settings_file(value)
+    if isinstance(value, Mapping):
+        return ExtensionSettings.from_mapping(value, source=f"extra-config {EXTRA_CONFIG_KEY}")
+    raise SettingsError(
+        f"extra-config {EXTRA_CONFIG_KEY} must be a path to a .toml/.json file or an object"
+    )
+
+
+def load_settings(extra_config: str | Mapping[str, Any] | None = None) -> ExtensionSettings:
+    """The effective settings: extra-config first, then the env var file, then defaults.
+
+    Naming a file in both places is refused: two sources of truth would drift apart.
+    """
+    from_extra = settings_from_extra_config(extra_config)
+    env_path = os.environ.get(CONFIG_ENV_VAR)
+    if from_extra is not None and env_path:
+        raise SettingsError(
+            f"settings are given both by {CONFIG_ENV_VAR} and by extra-config "
+            f"{EXTRA_CONFIG_KEY}; keep one"
+        )
+    if from_extra is not None:
+        return from_extra
+    if env_path:
+        return read_settings_file(env_path)
+    return ExtensionSettings()

@@ -1,0 +1,55 @@
+"""Shared fixtures: prepared models and one real SGLang server per test session."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts.prepare_models import SMOLLM2, TINY_LLAMA, TINY_QWEN2, prepare  # noqa: E402
+from sglang_ext.launcher import ServerConfig, free_port, generate, running_server  # noqa: E402
+
+__all__ = ["E2E_DEVICE_TOKENS", "generate"]
+
+# Small device pool so a handful of ~1K-token prompts pushes older ones to the host tier.
+E2E_DEVICE_TOKENS = 4096
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return prepare(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path() -> Path:
+    return prepare(TINY_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path() -> Path:
+    return prepare(TINY_QWEN2)
+
+
+@pytest.fixture(scope="session")
+def hicache_server(
+    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerConfig]:
+    """SmolLM2 with --radix-cache-backend hicache_ext, HiCache host tier and file tier."""
+    workdir = tmp_path_factory.mktemp("hicache_server")
+    config = ServerConfig(
+        model_path=str(smollm2_path),
+        port=free_port(),
+        max_total_tokens=E2E_DEVICE_TOKENS,
+        hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(workdir / "hicache"),
+        # Host tier large enough to keep the target while fillers push it off the device.
+        extra_args=("--hicache-ratio", "4"),
+    )
+    with running_server(config, log_path=workdir / "server.log") as running:
+        yield running

@@ -1,0 +1,81 @@
+"""Bad launches give one clear line and exit status 2, not a traceback wall."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.launcher import ServerConfig, free_port
+from sglang_ext.preflight import PreflightError, check_model_path, check_port_free
+from sglang_ext.settings import CONFIG_ENV_VAR
+
+
+def test_missing_model_folder(tmp_path: Path) -> None:
+    with pytest.raises(PreflightError, match="no such folder"):
+        check_model_path(str(tmp_path / "missing-model"))
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(PreflightError, match="no config.json"):
+        check_model_path(str(tmp_path))
+
+
+def test_hub_ids_are_left_to_sglang() -> None:
+    check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_port_in_use() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(PreflightError, match="already in use"):
+            check_port_free("127.0.0.1", port)
+
+
+def _launch(
+    config: ServerConfig, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    environment = config.environment()
+    environment.update(env or {})
+    return subprocess.run(
+        config.command(), env=environment, capture_output=True, text=True, timeout=180
+    )
+
+
+def _assert_clear_error(result: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    lines = [
+        line for line in result.stderr.splitlines() if line.startswith("sglang-hicache-ext: error:")
+    ]
+    assert len(lines) == 1 and needle in lines[0], result.stderr[-2000:]
+
+
+@pytest.mark.server
+def test_launch_with_bad_setting(smollm2_path: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "ext.toml"
+    bad.write_text('cpu_compat = "maybe"\n')
+    result = _launch(
+        ServerConfig(model_path=str(smollm2_path), port=free_port()), {CONFIG_ENV_VAR: str(bad)}
+    )
+    _assert_clear_error(result, "cpu_compat = 'maybe' is not allowed")
+
+
+@pytest.mark.server
+def test_launch_with_missing_model(tmp_path: Path) -> None:
+    result = _launch(ServerConfig(model_path=str(tmp_path / "no-model"), port=free_port()))
+    _assert_clear_error(result, "no such folder")
+
+
+@pytest.mark.server
+def test_launch_on_busy_port(smollm2_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = _launch(ServerConfig(model_path=str(smollm2_path), port=port))
+    _assert_clear_error(result, "already in use")

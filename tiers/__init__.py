@@ -1,0 +1,1 @@
+"""Engine-agnostic storage: chunk KV store, disk tier, codecs, placement. Never imports sglang."""

@@ -1,0 +1,1 @@
+"""Engine-agnostic optimisers and simulator. Never imports sglang."""
