@@ -18,7 +18,8 @@ def test_smollm2_is_a_plain_hf_llama(smollm2_path: Path) -> None:
         config["num_attention_heads"],
         config["num_key_value_heads"],
     ) == (30, 9, 3)
-    assert config["rope_theta"] == 100000.0
+    rope_theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    assert rope_theta == 100000.0
     assert (smollm2_path / "model.safetensors").stat().st_size > 100_000_000
 
 

@@ -1,8 +1,67 @@
 """Engine-agnostic fusion core: attention ops, RoPE recovery, selectors, executor.
 
 Imports torch only, never sglang, so it runs and benchmarks where SGLang cannot be installed.
+Model adapters live in `sglang_ext.fusion.adapters` (the transformers one imports transformers).
 """
 
-from sglang_ext.fusion.attention import gather_attend, position_causal_attention
+from sglang_ext.fusion.adapter import AttentionInputs, ModelAdapter
+from sglang_ext.fusion.attention import (
+    attend,
+    flashinfer_available,
+    gather_attend,
+    position_causal_attention,
+)
+from sglang_ext.fusion.chunk import ModelShape, PrecomputedChunk, chunk_hash
+from sglang_ext.fusion.executor import (
+    FusionResult,
+    GenerationResult,
+    KVCache,
+    decode_step,
+    fused_prefill,
+    generate_greedy,
+    precompute_chunk,
+)
+from sglang_ext.fusion.frequency import frequency_scores, low_pass
+from sglang_ext.fusion.request import ChunkSegment, RequestLayout, TextSegment, build_layout
+from sglang_ext.fusion.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec_from_config
+from sglang_ext.fusion.selectors import (
+    SELECTORS,
+    CheckLayerState,
+    SelectionContext,
+    Selector,
+    make_selector,
+)
 
-__all__ = ["gather_attend", "position_causal_attention"]
+__all__ = [
+    "SELECTORS",
+    "AttentionInputs",
+    "CheckLayerState",
+    "ChunkSegment",
+    "FusionResult",
+    "GenerationResult",
+    "KVCache",
+    "ModelAdapter",
+    "ModelShape",
+    "PrecomputedChunk",
+    "RequestLayout",
+    "RopeSpec",
+    "SelectionContext",
+    "Selector",
+    "TextSegment",
+    "apply_rope",
+    "attend",
+    "build_layout",
+    "chunk_hash",
+    "decode_step",
+    "flashinfer_available",
+    "frequency_scores",
+    "fused_prefill",
+    "gather_attend",
+    "generate_greedy",
+    "low_pass",
+    "make_selector",
+    "position_causal_attention",
+    "precompute_chunk",
+    "rope_cos_sin",
+    "rope_spec_from_config",
+]

@@ -137,6 +137,12 @@ def attend(
     if backend == "flashinfer" and not usable:
         raise ValueError("flashinfer backend needs CUDA fp16/bf16 tensors and flashinfer installed")
     if backend == "torch" or not usable:
+        if query.is_cuda and query.shape[1] != key.shape[1] and query.shape[0] < key.shape[0]:
+            # SDPA's masked CUDA kernel (memory-efficient) lacks GQA; left grouped, SDPA falls
+            # back to the math kernel, which materialises [H, q, k] scores at long contexts.
+            group = query.shape[1] // key.shape[1]
+            key = key.repeat_interleave(group, dim=1)
+            value = value.repeat_interleave(group, dim=1)
         return position_causal_attention(query, key, value, query_positions, key_positions, scale)
     return _flashinfer_attention(query, key, value, query_positions, key_positions, scale)
 

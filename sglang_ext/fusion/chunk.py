@@ -1,0 +1,94 @@
+"""A precomputed chunk: its tokens, pre-RoPE K and V per layer, and frequency scores."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The KV geometry a chunk must match to be reused by a model."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError(f"model shape fields must be positive: {self}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+
+
+@dataclass(frozen=True, eq=False)
+class PrecomputedChunk:
+    """KV of a chunk prefilled alone at positions 0..n-1.
+
+    keys[l] / values[l] are [n, num_kv_heads, head_dim]; keys are *before* RoPE so the chunk can
+    be placed at any global position. freq_scores is [num_layers, n] (CacheTune, alpha below).
+    """
+
+    token_ids: tuple[int, ...]
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    freq_scores: torch.Tensor
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if n == 0:
+            raise ValueError("a chunk must hold at least one token")
+        if len(self.keys) == 0 or len(self.keys) != len(self.values):
+            raise ValueError("keys and values must hold the same, non-zero number of layers")
+        first = self.keys[0].shape
+        if len(first) != 3 or first[0] != n:
+            raise ValueError(f"keys must be [n={n}, heads, head_dim], got {tuple(first)}")
+        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            if k.shape != first or v.shape[:2] != first[:2]:
+                raise ValueError(f"layer {layer}: K {tuple(k.shape)} / V {tuple(v.shape)} mismatch")
+        if tuple(self.freq_scores.shape) != (len(self.keys), n):
+            raise ValueError(
+                f"freq_scores must be [{len(self.keys)}, {n}], got {tuple(self.freq_scores.shape)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def content_hash(self) -> str:
+        """Stable key of the token sequence (what the chunk index and tiers store it under)."""
+        return chunk_hash(self.token_ids)
+
+    def check_compatible(self, shape: ModelShape) -> None:
+        """Raise ValueError unless this chunk's KV geometry matches `shape`."""
+        _, heads, dim = self.keys[0].shape
+        if (self.num_layers, heads, dim) != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
+            raise ValueError(
+                f"chunk KV (layers={self.num_layers}, kv_heads={heads}, head_dim={dim}) does not "
+                f"match the model (layers={shape.num_layers}, kv_heads={shape.num_kv_heads}, "
+                f"head_dim={shape.head_dim})"
+            )
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PrecomputedChunk:
+        """A copy with K/V on `device` (and `dtype`); scores stay float32."""
+        return PrecomputedChunk(
+            token_ids=self.token_ids,
+            keys=tuple(k.to(device=device, dtype=dtype) for k in self.keys),
+            values=tuple(v.to(device=device, dtype=dtype) for v in self.values),
+            freq_scores=self.freq_scores.to(device),
+            alpha=self.alpha,
+        )
+
+
+def chunk_hash(token_ids: tuple[int, ...] | list[int]) -> str:
+    data = b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,33 @@
+"""CacheTune frequency-domain token scores (offline recompute candidates, §4.1).
+
+A low-pass reconstruction of K and V along the sequence keeps the slowly varying structure of a
+chunk; tokens carrying much of that low-frequency energy are the ones worth recomputing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_ALPHA = 0.5
+
+
+def low_pass(x: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
+    """Keep the lowest `alpha` fraction of rFFT frequencies of `x` along dim 0; same shape back."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    n = x.shape[0]
+    spectrum = torch.fft.rfft(x.float(), dim=0)
+    cutoff = int(alpha * (n // 2 + 1))
+    spectrum[cutoff:] = 0
+    return torch.fft.irfft(spectrum, n=n, dim=0)
+
+
+def frequency_scores(
+    keys: torch.Tensor, values: torch.Tensor, alpha: float = DEFAULT_ALPHA
+) -> torch.Tensor:
+    """Per-token score [N] of one layer: mean of the L2 norms of low-passed K and V ([N, H, D])."""
+    if keys.shape[0] != values.shape[0] or keys.shape[0] == 0:
+        raise ValueError("keys and values must have the same, non-zero number of tokens")
+    k_norm = low_pass(keys, alpha).flatten(1).norm(dim=-1)
+    v_norm = low_pass(values, alpha).flatten(1).norm(dim=-1)
+    return 0.5 * (k_norm + v_norm)

@@ -1,0 +1,96 @@
+"""A fusion request: an ordered list of segments, laid out at global positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_ext.fusion.chunk import PrecomputedChunk
+
+
+@dataclass(frozen=True)
+class TextSegment:
+    """Tokens always computed. `question=True` marks the query tokens a3 scores chunks with."""
+
+    token_ids: tuple[int, ...]
+    question: bool = False
+
+
+@dataclass(frozen=True)
+class ChunkSegment:
+    """One occurrence of a precomputed chunk; its tokens reuse the stored KV unless selected."""
+
+    chunk: PrecomputedChunk
+
+
+Segment = TextSegment | ChunkSegment
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Where chunk occurrence `index` sits in the request: positions [start, start + length)."""
+
+    index: int
+    start: int
+    length: int
+    chunk: PrecomputedChunk
+
+
+@dataclass(frozen=True, eq=False)
+class RequestLayout:
+    """Token ids and masks of the whole request at positions 0..N-1."""
+
+    token_ids: torch.Tensor
+    is_chunk: torch.Tensor
+    is_question: torch.Tensor
+    spans: tuple[ChunkSpan, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_chunk_tokens(self) -> int:
+        return sum(span.length for span in self.spans)
+
+    @property
+    def chunk_positions(self) -> torch.Tensor:
+        """Global positions of all chunk tokens, in request order."""
+        return torch.nonzero(self.is_chunk, as_tuple=False).flatten()
+
+
+def build_layout(segments: list[Segment] | tuple[Segment, ...]) -> RequestLayout:
+    """Lay segments end to end. Without an explicit question, a3 uses the text after the last chunk."""
+    if not segments:
+        raise ValueError("a request needs at least one segment")
+    ids: list[int] = []
+    chunk_flags: list[bool] = []
+    question_flags: list[bool] = []
+    spans: list[ChunkSpan] = []
+    for segment in segments:
+        if isinstance(segment, ChunkSegment):
+            length = segment.chunk.num_tokens
+            spans.append(ChunkSpan(len(spans), len(ids), length, segment.chunk))
+            ids.extend(segment.chunk.token_ids)
+            chunk_flags.extend([True] * length)
+            question_flags.extend([False] * length)
+        elif isinstance(segment, TextSegment):
+            ids.extend(segment.token_ids)
+            chunk_flags.extend([False] * len(segment.token_ids))
+            question_flags.extend([segment.question] * len(segment.token_ids))
+        else:
+            raise ValueError(f"unknown segment type {type(segment).__name__}")
+    if not ids:
+        raise ValueError("a request needs at least one token")
+    is_chunk = torch.tensor(chunk_flags, dtype=torch.bool)
+    is_question = torch.tensor(question_flags, dtype=torch.bool)
+    if not bool(is_question.any()) and spans:
+        tail_start = spans[-1].start + spans[-1].length
+        is_question[tail_start:] = True
+    return RequestLayout(
+        token_ids=torch.tensor(ids, dtype=torch.long),
+        is_chunk=is_chunk,
+        is_question=is_question,
+        spans=tuple(spans),
+    )

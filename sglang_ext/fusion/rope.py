@@ -1,0 +1,122 @@
+"""Rotary position embedding applied after the fact (deferred RoPE / position recovery).
+
+Chunks are stored with keys captured *before* RoPE, so moving a chunk to any global position is
+one rotation at the target positions. The math mirrors transformers' rotary modules exactly
+(float32 angles, cos/sin scaled then cast to the tensor dtype) so a reused key is bit-for-bit
+the key a forward at that position would have produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+RopeLayout = Literal["neox", "gptj"]
+
+# Types whose frequencies depend on the current sequence length: a key rotated for one request
+# length is not the key another length would give, so position recovery is refused for them.
+_LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Everything needed to rotate a [n, H, D] tensor to given positions.
+
+    `layout` "neox" rotates the two halves of the rotary dims (Llama, Qwen2, HF's rotate_half);
+    "gptj" rotates interleaved pairs. Dims past `rotary_dim` pass through unrotated.
+    """
+
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+    layout: RopeLayout = "neox"
+
+    def __post_init__(self) -> None:
+        if self.inv_freq.dim() != 1 or self.inv_freq.numel() == 0:
+            raise ValueError("inv_freq must be a non-empty 1-D tensor")
+        if self.layout not in ("neox", "gptj"):
+            raise ValueError(f"unknown RoPE layout {self.layout!r}; expected 'neox' or 'gptj'")
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+
+def rope_spec_from_config(config: Any, layout: RopeLayout = "neox") -> RopeSpec:
+    """Build a RopeSpec from a transformers config, using transformers' own init functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = _rope_parameters(config)
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if rope_type in _LENGTH_DEPENDENT:
+        raise ValueError(f"RoPE type {rope_type!r} depends on sequence length; cannot recover")
+    if rope_type == "default":
+        inv_freq, scaling = _default_inv_freq(config, params), 1.0
+    elif rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    else:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}")
+    return RopeSpec(inv_freq=inv_freq.float(), attention_scaling=float(scaling), layout=layout)
+
+
+def rope_cos_sin(
+    spec: RopeSpec, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [n, rotary_dim] for `positions`, computed as transformers does."""
+    inv_freq = spec.inv_freq.to(device=positions.device, dtype=torch.float32)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    if spec.layout == "neox":
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)
+    cos = emb.cos() * spec.attention_scaling
+    sin = emb.sin() * spec.attention_scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Rotate `x` [n, H, D] (pre-RoPE queries or keys) to `positions` [n]; returns a new tensor."""
+    if x.dim() != 3 or x.shape[0] != positions.shape[0]:
+        raise ValueError(f"expected x [n, H, D] and positions [n], got {tuple(x.shape)}")
+    rot = spec.rotary_dim
+    if rot > x.shape[-1]:
+        raise ValueError(f"rotary dim {rot} exceeds head dim {x.shape[-1]}")
+    cos, sin = rope_cos_sin(spec, positions, x.dtype)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    rotated = x_rot * cos + _rotate(x_rot, spec.layout) * sin
+    if x_pass.shape[-1] == 0:
+        return rotated
+    return torch.cat((rotated, x_pass), dim=-1)
+
+
+def _rotate(x: torch.Tensor, layout: RopeLayout) -> torch.Tensor:
+    if layout == "neox":
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    # transformers 5 keeps everything in `rope_parameters`; older configs use rope_theta +
+    # rope_scaling, which standardize_rope_params folds into rope_parameters.
+    standardize = getattr(config, "standardize_rope_params", None)
+    if callable(standardize):
+        standardize()
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return scaling
+
+
+def _default_inv_freq(config: Any, params: dict[str, Any]) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

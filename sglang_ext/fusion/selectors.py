@@ -1,0 +1,262 @@
+"""Which chunk tokens to recompute: strategies behind one `score()` / `select()` contract.
+
+Every selector scores the chunk tokens of a request (higher = recompute first) and `select()`
+turns scores into a fixed budget of round(ratio x chunk tokens) global positions. Selectors with
+a `check_layer` score from that layer's activations (the executor computes every token up to
+it); the others decide before layer 0 and skip the full layers entirely.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sglang_ext.fusion.request import RequestLayout
+
+
+@dataclass(frozen=True, eq=False)
+class CheckLayerState:
+    """Activations at the check layer, all post-RoPE at global positions.
+
+    keys/values/queries cover every request token ([N, H, D], recomputed in the real context);
+    reused_keys/reused_values are the stored chunk KV at the same layer for the chunk tokens only,
+    in request order ([N_chunk, Hkv, D]).
+    """
+
+    layer: int
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    reused_keys: torch.Tensor
+    reused_values: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True, eq=False)
+class SelectionContext:
+    """What a selector sees: the request layout and, for check-layer selectors, the activations."""
+
+    layout: RequestLayout
+    state: CheckLayerState | None = None
+
+
+class Selector(ABC):
+    """Strategy picking the chunk tokens to recompute."""
+
+    name: ClassVar[str]
+    # Layer whose activations the scores need (None: decided before layer 0 from stored data).
+    check_layer: ClassVar[int | None] = None
+    # True: each chunk occurrence gets its own share of the budget (offline or positional
+    # selections); False: one global top-k over all chunk tokens of the request.
+    per_chunk: ClassVar[bool] = False
+
+    def __init__(self, ratio: float, sink_tokens: int = 0) -> None:
+        _check_ratio(ratio)
+        if sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+        self.ratio = float(ratio)
+        # A chunk prefilled alone makes its first tokens attention sinks; reused as-is they
+        # distort every later layer, so they can be put first in the budget (as EPIC does).
+        self.sink_tokens = sink_tokens
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(ratio={self.ratio}, sink_tokens={self.sink_tokens})"
+
+    def budget(self, layout: RequestLayout) -> int:
+        """Number of chunk tokens to recompute in this request."""
+        return round(self.ratio * layout.num_chunk_tokens)
+
+    @abstractmethod
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        """Float scores [N_chunk] for the chunk tokens in request order; higher = recompute."""
+
+    def select(self, ctx: SelectionContext) -> torch.Tensor:
+        """Sorted, unique global positions of the chunk tokens to recompute."""
+        layout = ctx.layout
+        chunk_positions = layout.chunk_positions
+        budget = self.budget(layout)
+        if budget == 0:
+            return chunk_positions[:0]
+        if budget == layout.num_chunk_tokens:
+            return chunk_positions
+        scores = self.score(ctx).float().cpu()
+        if scores.shape != chunk_positions.shape:
+            raise ValueError(f"{self.name}: scores shape {tuple(scores.shape)} != chunk tokens")
+        if self.sink_tokens:
+            local = torch.cat([torch.arange(span.length) for span in layout.spans])
+            scores = scores.masked_fill(local < self.sink_tokens, float("inf"))
+        top = _per_chunk_top(scores, layout, budget) if self.per_chunk else _top(scores, budget)
+        return torch.sort(chunk_positions[top]).values
+
+
+class FullSelector(Selector):
+    """Normal prefill: every chunk token is recomputed (ratio is forced to 1)."""
+
+    name = "full"
+
+    def __init__(self, ratio: float = 1.0, sink_tokens: int = 0) -> None:
+        super().__init__(ratio, sink_tokens)
+        self.ratio = 1.0
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        return torch.ones(ctx.layout.num_chunk_tokens)
+
+
+class ReuseSelector(Selector):
+    """Pure reuse: nothing recomputed (ratio is forced to 0)."""
+
+    name = "reuse"
+
+    def __init__(self, ratio: float = 0.0, sink_tokens: int = 0) -> None:
+        super().__init__(ratio, sink_tokens)
+        self.ratio = 0.0
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        return torch.zeros(ctx.layout.num_chunk_tokens)
+
+
+class RandomSelector(Selector):
+    """Uniformly random tokens (seeded, so runs are reproducible)."""
+
+    name = "random"
+
+    def __init__(self, ratio: float, seed: int = 0, sink_tokens: int = 0) -> None:
+        super().__init__(ratio, sink_tokens)
+        self.seed = seed
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed)
+        return torch.rand(ctx.layout.num_chunk_tokens, generator=generator)
+
+
+class EpicSelector(Selector):
+    """EPIC: the first tokens of each chunk (attention sinks at chunk starts)."""
+
+    name = "epic"
+    per_chunk = True
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        local = [torch.arange(span.length, dtype=torch.float32) for span in ctx.layout.spans]
+        return -torch.cat(local)
+
+
+class FrequencySelector(Selector):
+    """CacheTune: offline low-frequency energy scores stored with each chunk.
+
+    One index set serves every layer (a token recomputed at layer l needs its layer l-1 state),
+    so per-layer scores are averaged, or one `layer`'s scores are used.
+    """
+
+    name = "freq"
+    per_chunk = True
+
+    def __init__(self, ratio: float, layer: int | None = None, sink_tokens: int = 0) -> None:
+        super().__init__(ratio, sink_tokens)
+        self.layer = layer
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        parts = []
+        for span in ctx.layout.spans:
+            scores = span.chunk.freq_scores.float().cpu()
+            parts.append(scores.mean(0) if self.layer is None else scores[self.layer])
+        return torch.cat(parts)
+
+
+class A3Selector(Selector):
+    """A3: softmax attention of question tokens over chunk tokens at layer 1, summed."""
+
+    name = "a3"
+    check_layer = 1
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        state = _require_state(ctx, self.name)
+        layout = ctx.layout
+        question = torch.nonzero(layout.is_question).flatten().to(state.queries.device)
+        if question.numel() == 0:
+            raise ValueError("a3 needs question tokens (a TextSegment after the chunks)")
+        q = state.queries[question].float()
+        k = state.keys.float()
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        logits = torch.einsum("qhd,khd->hqk", q, k) * state.scale
+        key_pos = torch.arange(k.shape[0], device=k.device)
+        visible = key_pos[None, None, :] <= question[None, :, None]
+        probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        per_token = probs.sum(dim=(0, 1))
+        return per_token[layout.chunk_positions.to(per_token.device)]
+
+
+class CacheBlendSelector(Selector):
+    """CacheBlend: largest K/V deviation between recomputed and reused KV at layer 1."""
+
+    name = "cacheblend"
+    check_layer = 1
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        state = _require_state(ctx, self.name)
+        chunk = ctx.layout.chunk_positions.to(state.keys.device)
+        dk = (state.keys[chunk].float() - state.reused_keys.float()).flatten(1).norm(dim=-1)
+        dv = (state.values[chunk].float() - state.reused_values.float()).flatten(1).norm(dim=-1)
+        return dk + dv
+
+
+SELECTORS: dict[str, type[Selector]] = {
+    cls.name: cls
+    for cls in (
+        A3Selector,
+        FrequencySelector,
+        CacheBlendSelector,
+        EpicSelector,
+        RandomSelector,
+        ReuseSelector,
+        FullSelector,
+    )
+}
+
+
+def make_selector(name: str, ratio: float, **options: object) -> Selector:
+    """Selector by name (see SELECTORS); `full` and `reuse` ignore ratio beyond validating it."""
+    _check_ratio(ratio)
+    if name not in SELECTORS:
+        raise ValueError(f"unknown selector {name!r}; choose from {sorted(SELECTORS)}")
+    return SELECTORS[name](ratio, **options)  # type: ignore[arg-type]
+
+
+def _check_ratio(ratio: float) -> None:
+    if not isinstance(ratio, int | float) or not 0.0 <= float(ratio) <= 1.0:
+        raise ValueError(f"recompute ratio must be in [0, 1], got {ratio!r}")
+
+
+def _require_state(ctx: SelectionContext, name: str) -> CheckLayerState:
+    if ctx.state is None:
+        raise ValueError(f"selector {name!r} needs check-layer activations")
+    return ctx.state
+
+
+def _top(scores: torch.Tensor, count: int) -> torch.Tensor:
+    # Stable sort: ties go to earlier tokens, so selections are deterministic.
+    return torch.sort(scores, descending=True, stable=True).indices[:count]
+
+
+def _per_chunk_top(scores: torch.Tensor, layout: RequestLayout, budget: int) -> torch.Tensor:
+    quotas = _quotas([span.length for span in layout.spans], budget)
+    picked = []
+    offset = 0
+    for span, quota in zip(layout.spans, quotas, strict=True):
+        picked.append(_top(scores[offset : offset + span.length], quota) + offset)
+        offset += span.length
+    return torch.cat(picked)
+
+
+def _quotas(lengths: list[int], budget: int) -> list[int]:
+    """Split `budget` over chunks in proportion to length (largest remainder, never > length)."""
+    total = sum(lengths)
+    exact = [budget * n / total for n in lengths]
+    quotas = [int(x) for x in exact]
+    order = sorted(range(len(lengths)), key=lambda i: exact[i] - quotas[i], reverse=True)
+    for i in order[: budget - sum(quotas)]:
+        quotas[i] += 1
+    return quotas

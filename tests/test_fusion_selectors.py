@@ -1,0 +1,188 @@
+"""Selectors: selector x model family x ratio, and every bad input rejected with ValueError."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter
+from sglang_ext.fusion.chunk import PrecomputedChunk
+from sglang_ext.fusion.executor import fused_prefill, precompute_chunk
+from sglang_ext.fusion.request import ChunkSegment, TextSegment, build_layout
+from sglang_ext.fusion.selectors import SELECTORS, make_selector
+
+FAMILIES = ["llama", "qwen2"]
+RATIOS = [0.0, 0.1, 0.37, 1.0]
+CHUNK_LENGTHS = (7, 19, 30)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # The CPU is shared with servers and benchmarks: two spinning threads are far slower than one.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def requests(tiny_llama_path: Path, tiny_qwen2_path: Path) -> dict:
+    """Per family: the adapter and a request glue | 3 chunks of different lengths | question."""
+    out = {}
+    for family, path in {"llama": tiny_llama_path, "qwen2": tiny_qwen2_path}.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        adapter = HFCausalLMAdapter(model)
+        ids = torch.randint(0, 1024, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+        segments: list = [TextSegment(tuple(ids[:3]))]
+        start = 3
+        for length in CHUNK_LENGTHS:
+            segments.append(ChunkSegment(precompute_chunk(adapter, ids[start : start + length])))
+            segments.append(TextSegment(tuple(ids[start + length : start + length + 2])))
+            start += length + 2
+        segments[-1] = TextSegment(tuple(ids[start - 2 : start + 10]), question=True)
+        out[family] = (adapter, segments)
+    return out
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_selection_count_and_validity(requests: dict, name: str, family: str, ratio: float) -> None:
+    adapter, segments = requests[family]
+    layout = build_layout(segments)
+    total = layout.num_chunk_tokens
+    result = fused_prefill(adapter, segments, make_selector(name, ratio))
+    selected = result.selected.tolist()
+    expected = {"reuse": 0, "full": total}.get(name, round(ratio * total))
+    assert len(selected) == expected
+    assert len(set(selected)) == len(selected)
+    assert selected == sorted(selected)
+    assert all(bool(layout.is_chunk[p]) for p in selected)
+    if name == "full":
+        assert selected == layout.chunk_positions.tolist()
+    if name in ("epic", "freq"):
+        # Per-chunk selectors share the budget out by chunk length, never beyond a chunk.
+        per_chunk = [sum(s.start <= p < s.start + s.length for p in selected) for s in layout.spans]
+        exact = [expected * s.length / total for s in layout.spans]
+        assert all(
+            math.floor(e) <= c <= math.ceil(e) for c, e in zip(per_chunk, exact, strict=True)
+        )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_epic_takes_chunk_heads_and_freq_takes_top_scores(requests: dict, family: str) -> None:
+    adapter, segments = requests[family]
+    layout = build_layout(segments)
+    epic = fused_prefill(adapter, segments, make_selector("epic", 0.37)).selected.tolist()
+    freq = fused_prefill(adapter, segments, make_selector("freq", 0.37)).selected.tolist()
+    for span in layout.spans:
+        local_epic = [p - span.start for p in epic if span.start <= p < span.start + span.length]
+        assert local_epic == list(range(len(local_epic)))
+        local_freq = [p - span.start for p in freq if span.start <= p < span.start + span.length]
+        top = torch.topk(span.chunk.freq_scores.mean(0), len(local_freq)).indices
+        assert sorted(local_freq) == sorted(top.tolist())
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_single_chunk_count(requests: dict, name: str) -> None:
+    adapter, segments = requests["llama"]
+    chunk = segments[1].chunk
+    request = [ChunkSegment(chunk), TextSegment((1, 2, 3), question=True)]
+    result = fused_prefill(adapter, request, make_selector(name, 0.5))
+    expected = {"reuse": 0, "full": chunk.num_tokens}.get(name, round(0.5 * chunk.num_tokens))
+    assert result.selected.numel() == expected
+
+
+@pytest.mark.parametrize("name", ["a3", "cacheblend", "freq", "random"])
+def test_sink_tokens_come_first_within_budget(requests: dict, name: str) -> None:
+    adapter, segments = requests["llama"]
+    layout = build_layout(segments)
+    result = fused_prefill(adapter, segments, make_selector(name, 0.25, sink_tokens=2))
+    selected = set(result.selected.tolist())
+    assert len(selected) == round(0.25 * layout.num_chunk_tokens)
+    assert all({s.start, s.start + 1} <= selected for s in layout.spans)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        make_selector(name, 0.25, sink_tokens=-1)
+
+
+def test_random_is_seeded() -> None:
+    layout = build_layout([TextSegment((1,)), ChunkSegment(_fake_chunk(50)), TextSegment((2,))])
+    from sglang_ext.fusion.selectors import SelectionContext
+
+    a = make_selector("random", 0.3, seed=1).select(SelectionContext(layout))
+    b = make_selector("random", 0.3, seed=1).select(SelectionContext(layout))
+    c = make_selector("random", 0.3, seed=2).select(SelectionContext(layout))
+    assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan")])
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+def test_ratio_outside_unit_interval_raises(name: str, ratio: float) -> None:
+    with pytest.raises(ValueError, match="ratio"):
+        make_selector(name, ratio)
+    with pytest.raises(ValueError, match="ratio"):
+        SELECTORS[name](ratio)
+
+
+def test_unknown_selector_raises() -> None:
+    with pytest.raises(ValueError, match="unknown selector 'snapkv'"):
+        make_selector("snapkv", 0.2)
+
+
+def test_empty_chunk_raises(requests: dict) -> None:
+    adapter, _ = requests["llama"]
+    with pytest.raises(ValueError, match="empty chunk"):
+        precompute_chunk(adapter, [])
+    with pytest.raises(ValueError, match="at least one token"):
+        PrecomputedChunk((), (torch.zeros(0, 2, 16),), (torch.zeros(0, 2, 16),), torch.zeros(1, 0))
+    with pytest.raises(ValueError, match="at least one segment"):
+        build_layout([])
+
+
+def test_chunk_shape_mismatch_raises(requests: dict) -> None:
+    adapter, segments = requests["llama"]
+    good = segments[1].chunk
+    three_layers = PrecomputedChunk(
+        good.token_ids, good.keys[:3], good.values[:3], good.freq_scores[:3]
+    )
+    with pytest.raises(ValueError, match="does not match the model"):
+        fused_prefill(adapter, [ChunkSegment(three_layers)], make_selector("a3", 0.2))
+    wide = PrecomputedChunk(
+        good.token_ids,
+        tuple(torch.cat((k, k), dim=1) for k in good.keys),
+        tuple(torch.cat((v, v), dim=1) for v in good.values),
+        good.freq_scores,
+    )
+    with pytest.raises(ValueError, match="does not match the model"):
+        fused_prefill(adapter, [ChunkSegment(wide), TextSegment((1,))], make_selector("freq", 0.2))
+    with pytest.raises(ValueError, match="mismatch"):
+        one_head = tuple(v[:, :1] for v in good.values)
+        PrecomputedChunk(good.token_ids, good.keys, one_head, good.freq_scores)
+    with pytest.raises(ValueError, match="keys must be"):
+        PrecomputedChunk((1, 2), good.keys, good.values, good.freq_scores)
+    with pytest.raises(ValueError, match="freq_scores"):
+        PrecomputedChunk(good.token_ids, good.keys, good.values, good.freq_scores[:, :3])
+
+
+def test_a3_without_question_raises(requests: dict) -> None:
+    adapter, segments = requests["llama"]
+    with pytest.raises(ValueError, match="question"):
+        fused_prefill(adapter, [TextSegment((1, 2)), segments[1]], make_selector("a3", 0.5))
+
+
+def test_unsupported_model_raises() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="unsupported model type 'gpt2'"):
+        HFCausalLMAdapter(model)
+
+
+def _fake_chunk(n: int) -> PrecomputedChunk:
+    kv = (torch.zeros(n, 1, 4),)
+    return PrecomputedChunk(tuple(range(n)), kv, kv, torch.zeros(1, n))
