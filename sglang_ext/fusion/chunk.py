@@ -64,6 +64,12 @@ class PrecomputedChunk:
         return len(self.keys)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors (what a byte-capacity tier accounts for)."""
+        tensors = (*self.keys, *self.values, self.freq_scores)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
     def content_hash(self) -> str:
         """Stable key of the token sequence (what the chunk index and tiers store it under)."""
         return chunk_hash(self.token_ids)

@@ -1,0 +1,99 @@
+"""Chunk store v1: byte capacity, LRU, pins, idempotent keys, no loss on a failed put."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tiers.chunk_store import ChunkStore, StoreFullError
+
+
+@dataclass(frozen=True)
+class Blob:
+    nbytes: int
+
+
+def test_lru_eviction_by_bytes() -> None:
+    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store.put("a", Blob(40))
+    store.put("b", Blob(40))
+    assert store.get("a") is not None  # a is now the most recent
+    assert store.put("c", Blob(40)) == ["b"]
+    assert "a" in store and "c" in store and "b" not in store
+    stats = store.stats()
+    assert (stats.bytes_used, stats.entries, stats.evictions, stats.hits) == (80, 2, 1, 1)
+
+
+def test_pinned_entries_survive_and_full_store_refuses() -> None:
+    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store.put("a", Blob(60))
+    store.pin("a")
+    with pytest.raises(StoreFullError, match="pinned by running requests"):
+        store.put("b", Blob(60))
+    assert store.remove("a") is False
+    store.unpin("a")
+    assert store.put("b", Blob(60)) == ["a"]
+    with pytest.raises(StoreFullError, match="the store holds 100"):
+        store.put("huge", Blob(101))
+
+
+def test_failed_replace_keeps_the_old_value() -> None:
+    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store.put("a", Blob(30))
+    store.put("b", Blob(60))
+    store.pin("b")
+    with pytest.raises(StoreFullError):
+        store.put("a", Blob(50))
+    assert store.get("a") == Blob(30)
+    assert store.stats().bytes_used == 90
+
+
+def test_unpin_without_pin_and_unknown_remove() -> None:
+    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=10)
+    store.put("a", Blob(1))
+    with pytest.raises(ValueError, match="not pinned"):
+        store.unpin("a")
+    with pytest.raises(KeyError):
+        store.remove("zzz")
+    with pytest.raises(ValueError, match="positive"):
+        ChunkStore(0)
+
+
+def test_capacity_never_exceeded_under_concurrent_puts() -> None:
+    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=1000)
+    peaks: list[int] = []
+
+    def writer(worker: int) -> None:
+        for i in range(300):
+            with contextlib.suppress(StoreFullError):
+                store.put(f"{worker}-{i}", Blob(17 + (i * worker) % 90))
+            peaks.append(store.stats().bytes_used)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert max(peaks) <= 1000
+
+
+def test_precomputed_chunk_sizes_itself(tiny_llama_path) -> None:
+    from sglang_ext.fusion import PrecomputedChunk
+
+    n, layers = 12, 3
+    keys = tuple(torch.zeros(n, 2, 16) for _ in range(layers))
+    chunk = PrecomputedChunk(
+        token_ids=tuple(range(n)),
+        keys=keys,
+        values=keys,
+        freq_scores=torch.zeros(layers, n),
+        alpha=0.5,
+    )
+    assert chunk.nbytes == 2 * layers * n * 2 * 16 * 4 + layers * n * 4
+    store: ChunkStore[PrecomputedChunk] = ChunkStore(capacity_bytes=chunk.nbytes)
+    store.put(chunk.content_hash, chunk)
+    assert store.get(chunk.content_hash) is chunk

@@ -1,0 +1,148 @@
+"""Host-memory store of precomputed chunk KV with a byte capacity and LRU eviction (v1).
+
+Keys are content hashes of the chunk's token ids (the same text always maps to the same entry,
+so registration is idempotent). Values are any object that reports its size in `nbytes`
+(a precomputed chunk: per-layer K and V). An entry pinned by a request that is reusing it is
+never evicted under that request; when everything left is pinned, a new entry is refused
+rather than overfilling the capacity.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+
+class HasNbytes(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+V = TypeVar("V", bound=HasNbytes)
+
+
+class StoreFullError(RuntimeError):
+    """The entry does not fit even after evicting every unpinned entry."""
+
+
+@dataclass(frozen=True)
+class ChunkStoreStats:
+    entries: int
+    bytes_used: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    rejected: int
+
+
+class ChunkStore(Generic[V]):
+    """Thread-safe LRU by bytes; `get` refreshes recency; `pin`/`unpin` protect entries in use."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self._capacity = capacity_bytes
+        self._entries: OrderedDict[str, V] = OrderedDict()
+        self._pins: dict[str, int] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._evictions = self._rejected = 0
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def put(self, key: str, value: V) -> list[str]:
+        """Store `value`; returns the keys evicted to make room. Re-putting a key replaces it."""
+        size = int(value.nbytes)
+        with self._lock:
+            if size > self._capacity:
+                self._rejected += 1
+                raise StoreFullError(
+                    f"entry {key[:12]} needs {size} bytes; the store holds {self._capacity}"
+                )
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= int(old.nbytes)
+            evicted = self._make_room(size)
+            if self._bytes + size > self._capacity:
+                if old is not None:  # keep what was stored: a failed replace must not lose it
+                    self._entries[key] = old
+                    self._bytes += int(old.nbytes)
+                self._rejected += 1
+                raise StoreFullError(
+                    f"entry {key[:12]} needs {size} bytes; {self._capacity - self._bytes} are free "
+                    "and the rest is pinned by running requests"
+                )
+            self._entries[key] = value
+            self._bytes += size
+            return evicted
+
+    def get(self, key: str) -> V | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is None:
+                self._misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._hits += 1
+            return value
+
+    def remove(self, key: str) -> bool:
+        """Drop an entry; refused (False) while it is pinned. Unknown keys raise KeyError."""
+        with self._lock:
+            if key not in self._entries:
+                raise KeyError(key)
+            if self._pins.get(key, 0) > 0:
+                return False
+            self._bytes -= int(self._entries.pop(key).nbytes)
+            return True
+
+    def pin(self, key: str) -> V:
+        """Take a reference that keeps the entry resident; KeyError if it is not stored."""
+        with self._lock:
+            value = self._entries[key]
+            self._pins[key] = self._pins.get(key, 0) + 1
+            self._entries.move_to_end(key)
+            return value
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            count = self._pins.get(key, 0)
+            if count <= 0:
+                raise ValueError(f"entry {key[:12]} is not pinned")
+            if count == 1:
+                del self._pins[key]
+            else:
+                self._pins[key] = count - 1
+
+    def stats(self) -> ChunkStoreStats:
+        with self._lock:
+            return ChunkStoreStats(
+                entries=len(self._entries),
+                bytes_used=self._bytes,
+                capacity_bytes=self._capacity,
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                rejected=self._rejected,
+            )
+
+    def _make_room(self, size: int) -> list[str]:
+        evicted: list[str] = []
+        for key in list(self._entries):  # oldest first
+            if self._bytes + size <= self._capacity:
+                break
+            if self._pins.get(key, 0) > 0:
+                continue
+            self._bytes -= int(self._entries.pop(key).nbytes)
+            self._evictions += 1
+            evicted.append(key)
+        return evicted
