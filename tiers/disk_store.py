@@ -1,0 +1,384 @@
+"""Disk tier: pages with group, size, write time and expiry under a hard byte capacity.
+
+- TTL: expiry comes from the shared `TtlPolicy` (set on write, refreshed on every read).
+- Capacity: bytes of page files (header included) never exceed `capacity_bytes`, also while
+  writes are in flight: a writer reserves its bytes under the lock before touching the disk.
+  (A page overwritten while a reader still has the old file open frees its old bytes only when
+  that reader closes it; the accounting counts the files reachable by name.)
+  When full, pages are dropped in order of soonest expiry (expired ones first, by construction).
+- Crash safety: see `tiers.page_file`; on open the index is rebuilt from the files, stray temp
+  files and pages that fail the header check are removed (and counted); payload checksums are
+  verified on every read, and a corrupt page is dropped instead of served.
+- Readers pin an entry: neither expiry nor eviction deletes it until the last reader is done.
+- After a restart, a page's expiry is recomputed from its last access (the file's mtime, which
+  every read refreshes) and the TTL table of the new process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from radix.groups import RESIDUAL_GROUP
+from tiers.page_file import (
+    PAGE_SUFFIX,
+    TEMP_SUFFIX,
+    CorruptPageError,
+    PageHeader,
+    commit,
+    encode_header,
+    fsync_directory,
+    read_header,
+    read_page,
+    write_temp,
+)
+from tiers.ttl_policy import TtlPolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PageInfo:
+    key: str
+    group: str
+    size_bytes: int  # file bytes, header included
+    write_time: float
+    last_access: float
+    expiry: float
+
+
+@dataclass(frozen=True)
+class DiskStoreStats:
+    entries: int
+    used_bytes: int
+    reserved_bytes: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    expired: int
+    evicted: int
+    rejected_writes: int  # no room even after eviction (e.g. everything pinned) or page too big
+    write_errors: int  # OS errors while writing (full disk, I/O error)
+    corrupt_pages: int  # failed a checksum / length / key check, removed, never served
+    removed_temp_files: int  # partial writes found on open
+
+
+class _Entry:
+    """Mutable index record; only touched under the store lock."""
+
+    __slots__ = (
+        "doomed",
+        "expiry",
+        "group",
+        "key",
+        "last_access",
+        "path",
+        "readers",
+        "size",
+        "write_time",
+    )
+
+    def __init__(self, key: str, group: str, size: int, write_time: float, path: Path) -> None:
+        self.key, self.group, self.size, self.path = key, group, size, path
+        self.write_time = self.last_access = write_time
+        self.expiry = math.inf
+        self.readers = 0
+        self.doomed = False  # expired or evicted while pinned: delete when the last reader leaves
+
+    def info(self) -> PageInfo:
+        return PageInfo(
+            self.key, self.group, self.size, self.write_time, self.last_access, self.expiry
+        )
+
+
+class DiskStore:
+    """Thread-safe TTL page store on a local directory. Keys are strings, values bytes."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        capacity_bytes: int,
+        policy: TtlPolicy,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.root = Path(root)
+        self.capacity_bytes = int(capacity_bytes)
+        self.policy = policy
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._expiry_heap: list[tuple[float, int, _Entry]] = []  # lazy: stale items skipped
+        self._sequence = itertools.count()
+        self._used = 0
+        self._reserved = 0
+        self._counts = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "expired",
+                "evicted",
+                "rejected_writes",
+                "write_errors",
+                "corrupt_pages",
+                "removed_temp_files",
+            ),
+            0,
+        )
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._rebuild_index()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def put(self, key: str, value: bytes, group: str = RESIDUAL_GROUP) -> bool:
+        """Store `value` under `key`; False (logged, counted) when it cannot be stored.
+
+        A failed write never disturbs what is already stored under `key`.
+        """
+        _check_key(key)
+        payload = bytes(value)
+        now = self._clock()
+        header = encode_header(key, group, payload, now, self.policy.expiry_on_access(group, now))
+        size = len(header) + len(payload)
+        path = self._path_of(key)
+        with self._lock:
+            if not self._make_room(size):
+                self._counts["rejected_writes"] += 1
+                logger.warning("disk store full: rejected %d-byte page %s", size, key)
+                return False
+            self._reserved += size
+        try:
+            path.parent.mkdir(exist_ok=True)
+            temp = write_temp(path, header, payload, mtime=now)
+        except OSError as error:
+            with self._lock:
+                self._reserved -= size
+                self._counts["write_errors"] += 1
+            logger.error("disk store: writing page %s failed: %s", key, error)
+            return False
+        with self._lock:
+            # Rename under the lock: the index and the file behind a name must change together.
+            self._reserved -= size
+            try:
+                commit(temp, path)
+            except OSError as error:
+                self._counts["write_errors"] += 1
+                logger.error("disk store: committing page %s failed: %s", key, error)
+                return False
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._used -= old.size  # the name now points at the new file
+            entry = _Entry(key, group, size, now, path)
+            self._entries[key] = entry
+            self._used += size
+            self._set_expiry(entry, now)
+        fsync_directory(path.parent)  # the rename is durable before put returns
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        """The stored bytes (and refresh the page's TTL), or None when absent/expired/corrupt."""
+        _check_key(key)
+        now = self._clock()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or not self._live(entry, now):
+                self._counts["misses"] += 1
+                return None
+            entry.readers += 1
+            entry.last_access = now
+            self._set_expiry(entry, now)
+        try:
+            payload = self._read_file(entry)
+        except (CorruptPageError, OSError) as error:
+            logger.error("disk store: dropping unreadable page %s: %s", key, error)
+            with self._lock:
+                entry.readers -= 1
+                self._counts["corrupt_pages"] += 1
+                self._counts["misses"] += 1
+                entry.doomed = True
+                self._release_if_doomed(entry)
+            return None
+        # Persist "last access" across restarts; if the file was replaced meanwhile, its new
+        # owner has set its own time.
+        with contextlib.suppress(OSError):
+            os.utime(entry.path, (now, now))
+        with self._lock:
+            entry.readers -= 1
+            self._counts["hits"] += 1
+            self._release_if_doomed(entry)
+        return payload
+
+    def contains(self, key: str) -> bool:
+        """Whether a live page is stored (no TTL refresh)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and self.policy.is_live(entry.expiry, self._clock())
+
+    def info(self, key: str) -> PageInfo | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.info() if entry is not None else None
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.doomed = True
+            self._release_if_doomed(entry)
+            return True
+
+    def purge_expired(self) -> int:
+        """Remove expired pages not being read; returns how many were removed."""
+        now = self._clock()
+        removed = 0
+        with self._lock:
+            while self._expiry_heap and self._expiry_heap[0][0] < now:
+                expiry, _, entry = heapq.heappop(self._expiry_heap)
+                if not self._current(entry, expiry):
+                    continue
+                self._counts["expired"] += 1
+                entry.doomed = True
+                removed += self._release_if_doomed(entry)
+        return removed
+
+    def stats(self) -> DiskStoreStats:
+        with self._lock:
+            return DiskStoreStats(
+                entries=len(self._entries),
+                used_bytes=self._used,
+                reserved_bytes=self._reserved,
+                capacity_bytes=self.capacity_bytes,
+                **self._counts,
+            )
+
+    def disk_usage_bytes(self) -> int:
+        """Bytes of all files under the store, temp files included (a consistent snapshot)."""
+        total = 0
+        with self._lock:
+            for path in self._pages_dir().rglob("*"):
+                # A failed write removes its temp file without the lock: tolerate that race.
+                with contextlib.suppress(FileNotFoundError):
+                    total += path.stat().st_size if path.is_file() else 0
+        return total
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _read_file(self, entry: _Entry) -> bytes:
+        return read_page(entry.path, entry.key)[1]
+
+    def _pages_dir(self) -> Path:
+        return self.root / "pages"
+
+    def _path_of(self, key: str) -> Path:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return self._pages_dir() / digest[:2] / (digest + PAGE_SUFFIX)
+
+    def _live(self, entry: _Entry, now: float) -> bool:
+        if self.policy.is_live(entry.expiry, now) and not entry.doomed:
+            return True
+        if not entry.doomed:
+            self._counts["expired"] += 1
+            entry.doomed = True
+        self._release_if_doomed(entry)
+        return False
+
+    def _set_expiry(self, entry: _Entry, now: float) -> None:
+        entry.expiry = self.policy.expiry_on_access(entry.group, now)
+        heapq.heappush(self._expiry_heap, (entry.expiry, next(self._sequence), entry))
+        if len(self._expiry_heap) > 4 * len(self._entries) + 64:
+            self._expiry_heap = [
+                (e.expiry, next(self._sequence), e) for e in self._entries.values()
+            ]
+            heapq.heapify(self._expiry_heap)
+
+    def _current(self, entry: _Entry, expiry: float) -> bool:
+        return self._entries.get(entry.key) is entry and entry.expiry == expiry
+
+    def _make_room(self, size: int) -> bool:
+        """Evict soonest-expiring unpinned pages until `size` more bytes fit (lock held)."""
+        if size > self.capacity_bytes:
+            return False
+        pinned: list[tuple[float, int, _Entry]] = []
+        while self._used + self._reserved + size > self.capacity_bytes and self._expiry_heap:
+            item = heapq.heappop(self._expiry_heap)
+            entry = item[2]
+            if not self._current(entry, item[0]):
+                continue
+            if entry.readers:
+                pinned.append(item)
+                continue
+            self._counts["evicted"] += 1
+            entry.doomed = True
+            self._release_if_doomed(entry)
+        for item in pinned:
+            heapq.heappush(self._expiry_heap, item)
+        return self._used + self._reserved + size <= self.capacity_bytes
+
+    def _release_if_doomed(self, entry: _Entry) -> int:
+        """Delete a doomed entry's file once nobody reads it (lock held); 1 if deleted."""
+        if not entry.doomed or entry.readers or self._entries.get(entry.key) is not entry:
+            return 0
+        del self._entries[entry.key]
+        self._used -= entry.size
+        try:
+            entry.path.unlink(missing_ok=True)
+        except OSError as error:
+            logger.error("disk store: could not delete %s: %s", entry.path, error)
+        return 1
+
+    def _rebuild_index(self) -> None:
+        pages_dir = self._pages_dir()
+        pages_dir.mkdir(exist_ok=True)
+        now = self._clock()
+        for path in sorted(pages_dir.rglob("*")):
+            if path.is_dir():
+                continue
+            if path.name.endswith(TEMP_SUFFIX):
+                self._counts["removed_temp_files"] += 1
+                logger.warning("disk store: removing partial write %s", path)
+                path.unlink(missing_ok=True)
+                continue
+            header = self._checked_header(path)
+            if header is None:
+                continue
+            entry = _Entry(header.key, header.group, header.file_len, header.write_time, path)
+            entry.last_access = max(header.write_time, path.stat().st_mtime)
+            self._entries[header.key] = entry
+            self._used += entry.size
+            self._set_expiry(entry, entry.last_access)
+            if not self.policy.is_live(entry.expiry, now):
+                self._counts["expired"] += 1
+                entry.doomed = True
+                self._release_if_doomed(entry)
+        self._make_room(0)  # capacity may have shrunk since the last run
+        fsync_directory(pages_dir)
+        logger.info("disk store %s: %d pages, %d bytes", self.root, len(self._entries), self._used)
+
+    def _checked_header(self, path: Path) -> PageHeader | None:
+        try:
+            header = read_header(path)
+            if self._path_of(header.key) != path:
+                raise CorruptPageError(f"{path}: file name does not match key {header.key!r}")
+        except (CorruptPageError, OSError) as error:
+            self._counts["corrupt_pages"] += 1
+            logger.error("disk store: removing corrupt page file %s: %s", path, error)
+            path.unlink(missing_ok=True)
+            return None
+        return header
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"page key must be a non-empty string, got {key!r}")

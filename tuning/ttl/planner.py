@@ -1,0 +1,158 @@
+"""TTL planners: turn the recorded accesses of a past window and a budget into a `TtlTable`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import numpy as np
+
+from radix.access_recorder import AccessRecorder, WindowStats
+from radix.groups import RESIDUAL_GROUP, SubtreeGrouping
+from tiers.ttl_policy import TtlTable
+from tuning.ttl.budget import page_seconds
+from tuning.ttl.optimiser import TtlSolution, solve_fixed_ttl, solve_group_ttls
+from tuning.ttl.profile import GroupProfile, merge_profiles
+from tuning.ttl.profile_set import ProfileSet
+
+
+class PlannedTtls(NamedTuple):
+    table: TtlTable
+    grouping: SubtreeGrouping  # how pages map to the table's groups
+    choice: str  # which solution was published ("fixed", "group", "fixed (validation)")
+
+
+class TtlPlanner(ABC):
+    """Chooses TTLs for the next period from the accesses of a past window."""
+
+    name: str
+
+    @abstractmethod
+    def plan(
+        self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
+    ) -> PlannedTtls:
+        """TTLs whose cost on [start_s, end_s) averages at most `budget_pages` pages on disk."""
+
+
+def profiles_of(stats: WindowStats) -> list[GroupProfile]:
+    return [
+        GroupProfile.build(name, reuse.intervals, reuse.unique_pages)
+        for name, reuse in stats.reuse.items()
+    ]
+
+
+class StaticTtlPlanner(TtlPlanner):
+    """Always the same table, whatever the window (e.g. a TTL chosen in hindsight)."""
+
+    name = "static"
+
+    def __init__(self, table: TtlTable) -> None:
+        self.table = table
+
+    def plan(
+        self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
+    ) -> PlannedTtls:
+        return PlannedTtls(self.table, SubtreeGrouping(), "static")
+
+
+class FixedTtlPlanner(TtlPlanner):
+    """One TTL for every page (the baseline), solved exactly for the budget."""
+
+    name = "fixed"
+
+    def __init__(self, max_ttl_s: float) -> None:
+        self.max_ttl_s = max_ttl_s
+
+    def plan(
+        self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
+    ) -> PlannedTtls:
+        stats = recorder.window_stats(0, start_s, end_s)
+        budget = page_seconds(budget_pages, end_s - start_s)
+        solution = solve_fixed_ttl(profiles_of(stats), budget, self.max_ttl_s)
+        return PlannedTtls(_fixed_table(solution, self.max_ttl_s), stats.grouping, "fixed")
+
+
+class GroupTtlPlanner(TtlPlanner):
+    """A TTL per group (top-K subtrees, shared prefix, residual) from Algorithm 2.
+
+    Subtrees are ranked by reuse in the last `rank_window_s` of the window (default: all of it).
+
+    Validation guard (on by default): group TTLs are also fitted on the older part of the window
+    and scored on its newest `validation_fraction` against one TTL at the same held-out cost.
+    Unless they win there by `validation_margin` (relative hits), the single TTL fitted on the
+    whole window is published instead: per-group TTLs carry more variance than one TTL, and on
+    chat-like traces at large budgets their in-sample gain does not carry over to the next
+    period.
+    """
+
+    name = "group"
+
+    def __init__(
+        self,
+        top_k: int,
+        max_ttl_s: float,
+        seed: int = 0,
+        validation_fraction: float = 0.5,
+        rank_window_s: float = np.inf,
+        validation_margin: float = 0.01,
+        hull_start: bool = True,
+    ) -> None:
+        if not 0.0 <= validation_fraction < 1.0:
+            raise ValueError("validation_fraction must be in [0, 1)")
+        if rank_window_s <= 0:
+            raise ValueError("rank_window_s must be > 0")
+        self.rank_window_s = rank_window_s
+        self.validation_margin = validation_margin
+        self.hull_start = hull_start
+        self.top_k = top_k
+        self.max_ttl_s = max_ttl_s
+        self.seed = seed
+        self.validation_fraction = validation_fraction
+
+    def plan(
+        self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
+    ) -> PlannedTtls:
+        stats = recorder.window_stats(
+            self.top_k, start_s, end_s, rank_from_s=end_s - self.rank_window_s
+        )
+        profiles = profiles_of(stats)
+        budget = page_seconds(budget_pages, end_s - start_s)
+        if self.validation_fraction > 0 and not self._validates(
+            recorder, start_s, end_s, budget_pages
+        ):
+            fixed = solve_fixed_ttl(profiles, budget, self.max_ttl_s)
+            table = _fixed_table(fixed, self.max_ttl_s)
+            return PlannedTtls(table, stats.grouping, "fixed (validation)")
+        solution = self._solve(profiles, budget)
+        ttls = dict(solution.ttls)
+        residual = ttls.pop(RESIDUAL_GROUP, 0.0)
+        return PlannedTtls(TtlTable(default_ttl=residual, ttls=ttls), stats.grouping, "group")
+
+    def _solve(self, profiles: list[GroupProfile], budget: float) -> TtlSolution:
+        return solve_group_ttls(
+            profiles, budget, self.max_ttl_s, self.top_k, self.seed, self.hull_start
+        )
+
+    def _validates(
+        self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
+    ) -> bool:
+        """Whether group TTLs fitted before the split beat one TTL after it, at equal cost."""
+        split = end_s - (end_s - start_s) * self.validation_fraction
+        fit = recorder.window_stats(
+            self.top_k, start_s, split, rank_from_s=split - self.rank_window_s
+        )
+        if fit.accesses == 0:
+            return True  # nothing to validate against: trust the group solution
+        group = self._solve(profiles_of(fit), page_seconds(budget_pages, split - start_s))
+        held_out = profiles_of(recorder.window_stats(0, split, end_s, grouping=fit.grouping))
+        ttls = [group.ttls[p.name] for p in held_out]
+        held_out_set = ProfileSet(held_out)
+        group_hits = int(held_out_set.hits(ttls).sum())
+        group_cost = float(held_out_set.cost(ttls).sum())
+        merged = merge_profiles(held_out)
+        fixed_hits = merged.hits(merged.ttl_for_cost(group_cost, self.max_ttl_s))
+        return group_hits >= (1.0 + self.validation_margin) * fixed_hits
+
+
+def _fixed_table(solution: TtlSolution, max_ttl_s: float) -> TtlTable:
+    return TtlTable(default_ttl=next(iter(solution.ttls.values()), max_ttl_s))
