@@ -59,6 +59,11 @@ class ChunkIndex:
     def __len__(self) -> int:
         return len(self._chunks)
 
+    @property
+    def anchor_tokens(self) -> int:
+        """The shortest chunk the index can match."""
+        return self._k
+
     def __contains__(self, chunk_id: object) -> bool:
         return chunk_id in self._chunks
 

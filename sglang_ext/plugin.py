@@ -2,7 +2,7 @@
 
 `register()` runs in every SGLang process before the server arguments are parsed. It makes
 `--radix-cache-backend hicache_ext` and `--attention-backend torch_position` available,
-reports our state in `/server_info`, installs the CPU compatibility hooks when torch has no
+adds the `/chunks` routes, reports our state in `/server_info`, installs the CPU compatibility hooks when torch has no
 CUDA device, and, in the launching process only, the preflight checks (settings always;
 model folder and port unless `preflight_checks = false`).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from sglang_ext import attention_backend, cpu_compat, preflight, radix_cache
+from sglang_ext import attention_backend, cpu_compat, http_routes, preflight, radix_cache
 from sglang_ext.settings import ExtensionSettings, SettingsError, load_settings
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,16 @@ def register() -> None:
         radix_cache.add_status_to_internal_state,
         HookType.AFTER,
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.handle_dumper_control",
+        radix_cache.handle_control,
+        HookType.AROUND,
+    )
     hooked: list[str] = []
     if cpu_compat.cpu_compat_needed(settings.cpu_compat):
         hooked = cpu_compat.install(HookRegistry.register)
     if multiprocessing.parent_process() is None:
+        http_routes.register_routes()
         HookRegistry.register(
             "sglang.srt.server_args.ServerArgs.resolve_once",
             preflight.before_resolve,

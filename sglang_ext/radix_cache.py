@@ -11,6 +11,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from sglang_ext.chunks import CONTROL_PREFIX, ChunkRegistry, registration_id
+from sglang_ext.fusion.rope import rope_spec_from_config
 from sglang_ext.settings import ExtensionSettings, load_settings
 
 if TYPE_CHECKING:
@@ -32,9 +36,28 @@ def cache_class() -> type:
         class HiCacheExtRadixCache(UnifiedRadixCache):
             """UnifiedRadixCache on the Python tree core, carrying the extension's state."""
 
-            settings: ExtensionSettings = (
-                ExtensionSettings()
-            )  # replaced per instance by the factory
+            # Both replaced per instance by the factory.
+            settings: ExtensionSettings = ExtensionSettings()
+            chunks: ChunkRegistry | None = None
+            chunks_unavailable: str = "not initialised"
+
+            def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+                # The request's KV rows are still valid here; they are freed right after.
+                chunk_id = registration_id(req)
+                if chunk_id is not None:
+                    self._capture_chunk(req, chunk_id)
+                super().checkpoint(req, up_to=up_to, **kwargs)
+
+            def _capture_chunk(self, req: Any, chunk_id: str) -> None:
+                if self.chunks is None:
+                    logger.error(
+                        "chunk %s not captured: %s", chunk_id[:12], self.chunks_unavailable
+                    )
+                    return
+                tokens = list(req.origin_input_ids)
+                slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(tokens)]
+                kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
+                self.chunks.capture(chunk_id, tokens, kv_pool, slots.to(torch.long))
 
             def ext_status(self) -> dict[str, Any]:
                 controller = self.cache_controller
@@ -47,6 +70,10 @@ def cache_class() -> type:
                     if controller is not None
                     else None,
                     "settings": self.settings.as_dict(),
+                    "chunks": self.chunks.stats() if self.chunks is not None else None,
+                    "chunks_unavailable": None
+                    if self.chunks is not None
+                    else self.chunks_unavailable,
                 }
 
         _cache_class = HiCacheExtRadixCache
@@ -61,12 +88,52 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     ctx.params.tree_core_backend = settings.tree_core
     cache = create_unified_radix_cache(ctx, cache_class=cache_class())
     cache.settings = settings
+    cache.chunks, cache.chunks_unavailable = _chunk_registry(ctx, settings)
     logger.info(
         "hicache_ext radix cache ready: tree_core=%s hierarchical_cache=%s",
         settings.tree_core,
         cache.cache_controller is not None,
     )
     return cache
+
+
+def _chunk_registry(
+    ctx: TreeCacheBuildContext, settings: ExtensionSettings
+) -> tuple[ChunkRegistry | None, str]:
+    """A chunk registry, or None with the reason chunk reuse cannot work for this server."""
+    if ctx.tp_size != 1:
+        return None, "chunk registration supports --tp-size 1 only (the store is per rank)"
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+        return None, "chunk registration needs a full-attention model (no SWA / Mamba layers)"
+    try:
+        rope = rope_spec_from_config(ctx.model_config.hf_config)
+    except (ValueError, AttributeError, KeyError) as err:
+        return None, f"cannot recover RoPE positions for this model: {err}"
+    return ChunkRegistry(settings.chunk_store_bytes, rope), ""
+
+
+def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:
+    """AROUND hook on Scheduler.handle_dumper_control: serve `hicache_ext.*` methods."""
+    if not str(recv_req.method).startswith(CONTROL_PREFIX):
+        return original(scheduler, recv_req)
+    from sglang.srt.managers.io_struct import DumperControlReqOutput
+
+    chunks = getattr(scheduler.tree_cache, "chunks", None)
+    try:
+        if chunks is None:
+            reason = getattr(
+                scheduler.tree_cache,
+                "chunks_unavailable",
+                "--radix-cache-backend hicache_ext is not in use",
+            )
+            raise RuntimeError(f"chunk registry unavailable: {reason}")
+        output = DumperControlReqOutput(
+            success=True, response=chunks.handle_control(recv_req.method, dict(recv_req.body))
+        )
+    except (RuntimeError, ValueError) as err:
+        output = DumperControlReqOutput(success=False, response=[], error=str(err))
+    scheduler.ipc_channels.send_to_tokenizer.send_output(output, recv_req)
+    return None
 
 
 def add_status_to_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:

@@ -39,6 +39,12 @@ class ExtensionSettings:
     tree_core: Literal["python"] = "python"
     # Report extension state under `internal_states[i]["hicache_ext"]` of `/server_info`.
     report_in_server_info: bool = True
+    # Host memory for precomputed chunk KV (registered with POST /chunks), LRU beyond it.
+    chunk_store_bytes: int = 2 * 1024**3
+
+    def __post_init__(self) -> None:
+        if self.chunk_store_bytes <= 0:
+            raise SettingsError(f"chunk_store_bytes = {self.chunk_store_bytes} must be positive")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,7 +61,10 @@ class ExtensionSettings:
             )
         for name, value in values.items():
             _check_value(name, value, hints[name], source)
-        return cls(**dict(values))
+        try:
+            return cls(**dict(values))
+        except SettingsError as err:
+            raise SettingsError(f"{source}: {err}") from None
 
 
 def _check_value(name: str, value: Any, annotation: Any, source: str) -> None:

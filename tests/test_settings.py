@@ -41,6 +41,8 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
         ('cpu_compat = "sometimes"\n', "cpu_compat = 'sometimes' is not allowed"),
         ("preflight_checks = 1\n", "preflight_checks = 1 should be of type bool"),
         ("cpu_compat = \n", "is not valid TOML"),
+        ("chunk_store_bytes = 0\n", "chunk_store_bytes = 0 must be positive"),
+        ("chunk_store_bytes = 1.5\n", "chunk_store_bytes = 1.5 should be of type int"),
     ],
 )
 def test_bad_files_name_the_problem(tmp_path: Path, content: str, message: str) -> None:

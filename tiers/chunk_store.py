@@ -59,6 +59,11 @@ class ChunkStore(Generic[V]):
         with self._lock:
             return len(self._entries)
 
+    def items(self) -> list[tuple[str, V]]:
+        """Stored entries, least recently used first, without touching recency or hit counts."""
+        with self._lock:
+            return list(self._entries.items())
+
     def put(self, key: str, value: V) -> list[str]:
         """Store `value`; returns the keys evicted to make room. Re-putting a key replaces it."""
         size = int(value.nbytes)

@@ -120,3 +120,16 @@ def _default_inv_freq(config: Any, params: dict[str, Any]) -> torch.Tensor:
     )
     dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Inverse of `apply_rope`: recover pre-RoPE keys from keys rotated at `positions`.
+
+    An engine's KV pool holds keys after RoPE; a chunk prefilled at 0..n-1 is stored pre-RoPE by
+    rotating back. RoPE is a rotation scaled by `attention_scaling`, so the inverse is the
+    rotation by the negative angle divided by the scale."""
+    restored = apply_rope(x.float(), -positions, RopeSpec(spec.inv_freq, 1.0, spec.layout))
+    if spec.attention_scaling != 1.0:
+        rot = spec.rotary_dim
+        restored[..., :rot] = restored[..., :rot] / spec.attention_scaling
+    return restored.to(x.dtype)

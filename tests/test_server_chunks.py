@@ -1,0 +1,107 @@
+"""Chunk registration through the real server: capture, pre-RoPE keys, idempotency, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from sglang_ext.launcher import generate
+
+pytestmark = pytest.mark.server
+
+DOCUMENT = (
+    "Ed Wood is a 1994 American biographical period comedy-drama film directed and produced by "
+    "Tim Burton, and starring Johnny Depp as cult filmmaker Ed Wood."
+)
+
+
+def _hf_pre_rope_keys(model_path: Path, token_ids: list[int]) -> list[torch.Tensor]:
+    """Per-layer k_proj outputs (keys before RoPE) of a transformers forward at 0..n-1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    head_dim = model.config.head_dim
+    captured: list[torch.Tensor] = []
+    hooks = [
+        layer.self_attn.k_proj.register_forward_hook(
+            lambda _m, _i, out: captured.append(out[0].reshape(out.shape[1], -1, head_dim))
+        )
+        for layer in model.model.layers
+    ]
+    with torch.no_grad():
+        model(torch.tensor([token_ids]))
+    for hook in hooks:
+        hook.remove()
+    return captured
+
+
+def test_register_capture_list_delete(hicache_server, smollm2_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    url = hicache_server.url
+    token_ids = AutoTokenizer.from_pretrained(smollm2_path).encode(
+        DOCUMENT, add_special_tokens=False
+    )
+
+    created = requests.post(url + "/chunks", json={"text": DOCUMENT}, timeout=120).json()
+    assert created["created"] is True and created["num_tokens"] == len(token_ids)
+    chunk_id = created["id"]
+    again = requests.post(url + "/chunks", json={"input_ids": token_ids}, timeout=120).json()
+    assert again == {**created, "created": False}
+
+    listing = requests.get(url + "/chunks", timeout=30).json()
+    assert chunk_id in [c["id"] for c in listing["chunks"]]
+    layers, kv_heads, head_dim = 30, 3, 64
+    n = len(token_ids)
+    assert created["nbytes"] == 2 * layers * n * kv_heads * head_dim * 4 + layers * n * 4
+
+    reference = _hf_pre_rope_keys(smollm2_path, token_ids)
+    for layer, token in [(0, 5), (14, n - 1), (29, 11)]:
+        probe = requests.get(
+            f"{url}/chunks/{chunk_id}",
+            params={"probe_layer": layer, "probe_token": token},
+            timeout=30,
+        ).json()["key_probe"]
+        expected = reference[layer][token]
+        rel_error = (torch.tensor(probe) - expected).norm() / expected.norm()
+        assert rel_error < 1e-3, (layer, token, float(rel_error))
+
+    assert requests.delete(f"{url}/chunks/{chunk_id}", timeout=30).json()["deleted"] is True
+    assert requests.delete(f"{url}/chunks/{chunk_id}", timeout=30).status_code == 404
+    assert requests.get(f"{url}/chunks/{chunk_id}", timeout=30).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": ""},
+        {"text": "a", "input_ids": [1]},
+        {"input_ids": []},
+        {"input_ids": [1, "2"]},
+        {"input_ids": [10**9]},
+        ["not", "an", "object"],
+    ],
+    ids=["empty", "both", "no-tokens", "non-int", "out-of-vocab", "not-object"],
+)
+def test_bad_registrations_are_400_and_server_keeps_serving(hicache_server, body) -> None:
+    response = requests.post(hicache_server.url + "/chunks", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]
+    assert (
+        generate(hicache_server.url, "Hello", max_new_tokens=2)["meta_info"]["completion_tokens"]
+        == 2
+    )
+
+
+def test_probe_out_of_range_is_400(hicache_server) -> None:
+    chunk = requests.post(
+        hicache_server.url + "/chunks", json={"text": DOCUMENT}, timeout=120
+    ).json()
+    response = requests.get(
+        f"{hicache_server.url}/chunks/{chunk['id']}",
+        params={"probe_layer": 99, "probe_token": 0},
+        timeout=30,
+    )
+    assert response.status_code == 400 and "out of range" in response.json()["error"]
