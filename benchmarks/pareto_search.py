@@ -1,0 +1,128 @@
+"""Adaptive Pareto search vs the plain grid on the conversation trace (Kareto §5.3.1).
+
+For each instance count: run the adaptive search, then the grid (sharing simulation results, so
+the grid only simulates what the adaptive search did not), compute both hypervolumes against one
+reference point built from every simulated configuration, and time one full-trace simulation on
+one core. Writes benchmarks/results/pareto_search.json, the adaptive frontier (JSON + PNG) under
+benchmarks/results/pareto_<N>/, and prints a Markdown table for docs/simulator.md.
+
+    .venv/bin/python benchmarks/pareto_search.py [--instances 1 4] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tuning.pareto.adaptive import adaptive_search  # noqa: E402
+from tuning.pareto.cli import write_frontier  # noqa: E402
+from tuning.pareto.evaluator import Evaluator, Workload, objective_matrix  # noqa: E402
+from tuning.pareto.front import pareto_mask  # noqa: E402
+from tuning.pareto.grid import grid_search  # noqa: E402
+from tuning.pareto.hypervolume import hypervolume, reference_point  # noqa: E402
+from tuning.pareto.plan import adaptive_settings, grid_space  # noqa: E402
+from tuning.pareto.space import Point  # noqa: E402
+from tuning.sim.simulator import simulate  # noqa: E402
+from tuning.sim.trace import CONVERSATION_TRACE, load_requests  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def compare(trace: Path, instances: int, workers: int, limit: int | None) -> dict[str, Any]:
+    space = grid_space()
+    settings = adaptive_settings(space)
+    with Evaluator(Workload(trace, instances, limit), workers) as evaluator:
+        started = time.perf_counter()
+        adaptive = adaptive_search(settings, evaluator)
+        adaptive_s = time.perf_counter() - started
+        print(
+            f"{instances} instance(s): adaptive {len(adaptive)} sims in {adaptive_s:.0f} s",
+            flush=True,
+        )
+        grid = grid_search(space, evaluator)
+        total_s = time.perf_counter() - started
+    union = objective_matrix([*grid, *adaptive])
+    reference = reference_point(union)
+    hv = {}
+    for name, evaluated in (("grid", grid), ("adaptive", adaptive)):
+        matrix = objective_matrix(evaluated)
+        hv[name] = hypervolume(matrix[pareto_mask(matrix)], reference)
+    title = f"{trace.name}, {instances} instance(s), adaptive: {len(adaptive)} sims"
+    write_frontier(
+        adaptive,
+        RESULTS / f"pareto_{instances}",
+        title,
+        {"trace": trace.name, "instances": instances, "search": "adaptive"},
+    )
+    return {
+        "instances": instances,
+        "grid_simulations": len(grid),
+        "adaptive_simulations": len(adaptive),
+        "simulation_ratio": len(adaptive) / len(grid),
+        "reference_point": reference.tolist(),
+        "hypervolume_grid": hv["grid"],
+        "hypervolume_adaptive": hv["adaptive"],
+        "hypervolume_ratio": hv["adaptive"] / hv["grid"],
+        "adaptive_wall_s": round(adaptive_s, 1),
+        "grid_and_adaptive_wall_s": round(total_s, 1),
+        "workers": workers,
+        "adaptive_settings": {
+            "coarse_dram_gb": settings.coarse.dram.values(),
+            "coarse_ttl_s": settings.coarse.ttl.values(),
+            "tau_expand": settings.tau_expand,
+            "tau_perf": settings.tau_perf,
+            "tau_cost": settings.tau_cost,
+        },
+        "grid": {
+            "dram_gb": space.dram.values(),
+            "ttl_s": space.ttl.values(),
+            "disks": list(space.disks),
+        },
+    }
+
+
+def time_one(trace: Path, instances: int, limit: int | None) -> float:
+    """Wall seconds of one full simulation in this process (one core): the heaviest corner."""
+    requests = load_requests(trace, limit)
+    config = Point.make(1024, 1800, "essd_pl3").sim_config(instances)
+    started = time.perf_counter()
+    simulate(requests, config)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--trace", type=Path, default=CONVERSATION_TRACE)
+    parser.add_argument("--instances", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=None)
+    args = parser.parse_args()
+    if not args.trace.is_file():
+        sys.exit(f"trace {args.trace} not found (expected shared/ beside the repository)")
+    rows = []
+    for n in args.instances:
+        row = compare(args.trace, n, args.workers, args.limit)
+        row["one_simulation_s"] = round(time_one(args.trace, n, args.limit), 2)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {"trace": args.trace.name, "requests": len(load_requests(args.trace, args.limit))}
+    (RESULTS / "pareto_search.json").write_text(json.dumps({**out, "runs": rows}, indent=1) + "\n")
+    print("| instances | grid sims | adaptive sims | sims ratio | HV ratio | one sim (s) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['instances']} | {r['grid_simulations']} | {r['adaptive_simulations']} | "
+            f"{r['simulation_ratio']:.0%} | {r['hypervolume_ratio']:.4f} | {r['one_simulation_s']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from tuning.pareto.cli import main
+
+sys.exit(main())

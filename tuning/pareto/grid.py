@@ -1,0 +1,10 @@
+"""Baseline: simulate every point of a uniform grid."""
+
+from __future__ import annotations
+
+from tuning.pareto.evaluator import Evaluation, PointEvaluator
+from tuning.pareto.space import Space
+
+
+def grid_search(space: Space, evaluator: PointEvaluator) -> list[Evaluation]:
+    return evaluator.evaluate(space.grid())
