@@ -44,7 +44,8 @@ def cache_class() -> type:
             def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
                 # The request's KV rows are still valid here; they are freed right after.
                 chunk_id = registration_id(req)
-                if chunk_id is not None:
+                # Chunked prefill checkpoints each round; only the last one has every row computed.
+                if chunk_id is not None and up_to >= len(req.origin_input_ids):
                     self._capture_chunk(req, chunk_id)
                 super().checkpoint(req, up_to=up_to, **kwargs)
 

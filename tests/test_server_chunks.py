@@ -105,3 +105,38 @@ def test_probe_out_of_range_is_400(hicache_server) -> None:
         timeout=30,
     )
     assert response.status_code == 400 and "out of range" in response.json()["error"]
+
+
+def test_chunk_longer_than_a_prefill_round(tiny_llama_path: Path, tmp_path: Path) -> None:
+    """Chunked prefill checkpoints every round; the capture must wait for the whole chunk."""
+    from transformers import AutoTokenizer
+
+    from sglang_ext.launcher import ServerConfig, free_port, running_server
+
+    config = ServerConfig(
+        model_path=str(tiny_llama_path),
+        port=free_port(),
+        max_total_tokens=4096,
+        extra_args=("--chunked-prefill-size", "32"),
+    )
+    text = " ".join(f"Entry {i} lists the value {i * 13 % 29} for the field." for i in range(20))
+    token_ids = AutoTokenizer.from_pretrained(tiny_llama_path).encode(
+        text, add_special_tokens=False
+    )
+    assert len(token_ids) > 3 * 32
+    with running_server(config, log_path=tmp_path / "server.log"):
+        chunk = requests.post(
+            config.url + "/chunks", json={"input_ids": token_ids}, timeout=120
+        ).json()
+        assert chunk["created"] is True and chunk["num_tokens"] == len(token_ids)
+        reference = _hf_pre_rope_keys(tiny_llama_path, token_ids)
+        for layer in range(4):
+            for token in (0, 40, len(token_ids) - 1):  # first, middle and last prefill round
+                probe = requests.get(
+                    f"{config.url}/chunks/{chunk['id']}",
+                    params={"probe_layer": layer, "probe_token": token},
+                    timeout=30,
+                ).json()["key_probe"]
+                expected = reference[layer][token]
+                rel_error = (torch.tensor(probe) - expected).norm() / expected.norm()
+                assert rel_error < 1e-3, (layer, token, float(rel_error))
