@@ -12,7 +12,14 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from sglang_ext import attention_backend, cpu_compat, http_routes, preflight, radix_cache
+from sglang_ext import (
+    attention_backend,
+    cpu_compat,
+    fused_prefill,
+    http_routes,
+    preflight,
+    radix_cache,
+)
 from sglang_ext.settings import ExtensionSettings, SettingsError, load_settings
 
 logger = logging.getLogger(__name__)
@@ -45,11 +52,26 @@ def register() -> None:
         radix_cache.handle_control,
         HookType.AROUND,
     )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler._create_generation_req",
+        fused_prefill.remember_request,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
+        fused_prefill.forward_with_fusion,
+        HookType.AROUND,
+    )
     hooked: list[str] = []
     if cpu_compat.cpu_compat_needed(settings.cpu_compat):
         hooked = cpu_compat.install(HookRegistry.register)
     if multiprocessing.parent_process() is None:
         http_routes.register_routes()
+        HookRegistry.register(
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+            fused_prefill.validate_request,
+            HookType.BEFORE,
+        )
         HookRegistry.register(
             "sglang.srt.server_args.ServerArgs.resolve_once",
             preflight.before_resolve,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang_ext import fused_prefill
 from sglang_ext.chunks import CONTROL_PREFIX, ChunkRegistry, registration_id
 from sglang_ext.fusion.rope import rope_spec_from_config
 from sglang_ext.settings import ExtensionSettings, load_settings
@@ -75,6 +76,7 @@ def cache_class() -> type:
                     "chunks_unavailable": None
                     if self.chunks is not None
                     else self.chunks_unavailable,
+                    "fusion": fused_prefill.runtime().stats() if fused_prefill.runtime() else None,
                 }
 
         _cache_class = HiCacheExtRadixCache
@@ -90,6 +92,7 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     cache = create_unified_radix_cache(ctx, cache_class=cache_class())
     cache.settings = settings
     cache.chunks, cache.chunks_unavailable = _chunk_registry(ctx, settings)
+    fused_prefill.install_runtime(cache.chunks, settings)
     logger.info(
         "hicache_ext radix cache ready: tree_core=%s hierarchical_cache=%s",
         settings.tree_core,

@@ -41,10 +41,25 @@ class ExtensionSettings:
     report_in_server_info: bool = True
     # Host memory for precomputed chunk KV (registered with POST /chunks), LRU beyond it.
     chunk_store_bytes: int = 2 * 1024**3
+    # Server defaults of the per-request fusion options (custom_params fusion, fusion_selector,
+    # fusion_recompute_ratio).
+    fusion_by_default: bool = False
+    fusion_selector: str = "a3"
+    fusion_recompute_ratio: float = 0.15
 
     def __post_init__(self) -> None:
+        from sglang_ext.fusion.selectors import SELECTORS
+
         if self.chunk_store_bytes <= 0:
             raise SettingsError(f"chunk_store_bytes = {self.chunk_store_bytes} must be positive")
+        if self.fusion_selector not in SELECTORS:
+            raise SettingsError(
+                f"fusion_selector = {self.fusion_selector!r} is unknown; choose from {sorted(SELECTORS)}"
+            )
+        if not 0.0 <= self.fusion_recompute_ratio <= 1.0:
+            raise SettingsError(
+                f"fusion_recompute_ratio = {self.fusion_recompute_ratio} must be in [0, 1]"
+            )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,143 @@
+"""Chunk fusion through the real server: exactness at r=1, reuse, fallbacks, bad input, concurrency."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from sglang_ext.datasets import load_hotpotqa
+from sglang_ext.launcher import flush_cache
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def rag_prompts(hicache_server) -> list[str]:
+    """Three HotpotQA questions whose 6 paragraphs are registered, then shuffled in the prompt."""
+    prompts = []
+    for example in load_hotpotqa(3, seed=7):
+        docs = list(example.documents[:6])
+        for doc in docs:
+            response = requests.post(
+                hicache_server.url + "/chunks", json={"text": doc}, timeout=120
+            )
+            assert response.status_code == 200, response.text
+        shuffled = [docs[i] for i in (3, 0, 5, 1, 4, 2)]
+        prompts.append(
+            "Documents:\n" + "\n\n".join(shuffled) + f"\n\nQuestion: {example.question}\nAnswer:"
+        )
+    return prompts
+
+
+def _generate(url: str, prompt: str, **custom: object) -> dict:
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "custom_params": custom},
+    }
+    response = requests.post(url + "/generate", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_full_recompute_equals_normal_prefill(hicache_server, rag_prompts) -> None:
+    url = hicache_server.url
+    for prompt in rag_prompts:
+        flush_cache(url)
+        normal = _generate(url, prompt)
+        flush_cache(url)
+        fused = _generate(
+            url, prompt, fusion=True, fusion_selector="full", fusion_recompute_ratio=1.0
+        )
+        (info,) = fused["meta_info"]["hicache_ext_fusion"]
+        assert info["fused"] is True and info["chunks_hit"] == 6 and info["tokens_reused"] == 0
+        assert fused["output_ids"] == normal["output_ids"]
+
+
+@pytest.mark.parametrize(
+    ("selector", "ratio"), [("a3", 0.15), ("reuse", 0.0), ("epic", 0.3), ("freq", 0.15)]
+)
+def test_selectors_reuse_chunk_kv(hicache_server, rag_prompts, selector: str, ratio: float) -> None:
+    out = _generate(
+        hicache_server.url,
+        rag_prompts[0],
+        fusion=True,
+        fusion_selector=selector,
+        fusion_recompute_ratio=ratio,
+    )
+    (info,) = out["meta_info"]["hicache_ext_fusion"]
+    assert info["chunks_hit"] == 6
+    expected_recomputed_chunk_tokens = round(ratio * info["chunk_tokens"])
+    recomputed_chunk_tokens = info["chunk_tokens"] - info["tokens_reused"]
+    # The last prompt token is always computed, so at most one more than the budget.
+    assert (
+        expected_recomputed_chunk_tokens
+        <= recomputed_chunk_tokens
+        <= expected_recomputed_chunk_tokens + 1
+    )
+    assert info["tokens_recomputed"] == out["meta_info"]["prompt_tokens"] - info["tokens_reused"]
+    assert len(out["output_ids"]) == 12
+
+
+def test_fused_kv_never_enters_the_prefix_tree(hicache_server, rag_prompts) -> None:
+    url = hicache_server.url
+    # A prompt no exact prefill has seen, so no tier (device, host, file) can hold it already.
+    prompt = rag_prompts[1].replace("Documents:", "Documents (unseen variant):")
+    flush_cache(url)
+    fused = _generate(url, prompt, fusion=True, fusion_selector="reuse", fusion_recompute_ratio=0.0)
+    assert fused["meta_info"]["hicache_ext_fusion"][0]["fused"] is True
+    after = _generate(url, prompt)
+    assert after["meta_info"]["cached_tokens"] == 0
+
+
+def test_no_registered_chunk_falls_back_to_normal_prefill(hicache_server) -> None:
+    prompt = "A sentence that no registered chunk contains, about lighthouses and their keepers."
+    out = _generate(hicache_server.url, prompt, fusion=True)
+    assert out["meta_info"].get("hicache_ext_fusion") in (None, [])
+    info = requests.get(hicache_server.url + "/server_info", timeout=30).json()["internal_states"][
+        0
+    ]
+    assert info["hicache_ext"]["fusion"]["fallback_no_chunk_matched"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("custom", "message"),
+    [
+        ({"fusion_recompute_ratio": 1.5}, "must be a number in [0, 1]"),
+        ({"fusion_recompute_ratio": -0.1}, "must be a number in [0, 1]"),
+        ({"fusion_selector": "magic"}, "is unknown"),
+        ({"fusion": "yes"}, "must be true or false"),
+    ],
+)
+def test_bad_fusion_options_are_400(hicache_server, custom: dict, message: str) -> None:
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 2, "custom_params": custom}}
+    response = requests.post(hicache_server.url + "/generate", json=body, timeout=60)
+    assert response.status_code == 400 and message in response.text
+    assert (
+        _generate(hicache_server.url, "Is the server still serving?")["meta_info"][
+            "completion_tokens"
+        ]
+        >= 1
+    )
+
+
+def test_concurrent_fused_requests_match_sequential(hicache_server, rag_prompts) -> None:
+    url = hicache_server.url
+    jobs = [(rag_prompts[i % 3], ("a3", "epic", "reuse", "freq")[i % 4]) for i in range(16)]
+    options = {"a3": 0.15, "epic": 0.3, "reuse": 0.0, "freq": 0.15}
+
+    def run(job: tuple[str, str]) -> list[int]:
+        prompt, selector = job
+        return _generate(
+            url,
+            prompt,
+            fusion=True,
+            fusion_selector=selector,
+            fusion_recompute_ratio=options[selector],
+        )["output_ids"]
+
+    sequential = [run(job) for job in jobs]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        concurrent = list(pool.map(run, jobs))
+    assert concurrent == sequential
