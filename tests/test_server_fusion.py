@@ -141,3 +141,21 @@ def test_concurrent_fused_requests_match_sequential(hicache_server, rag_prompts)
     with ThreadPoolExecutor(max_workers=16) as pool:
         concurrent = list(pool.map(run, jobs))
     assert concurrent == sequential
+
+
+def test_frontend_program_with_fusion_options(hicache_server) -> None:
+    """An sgl.function program through FusionEndpoint: documents registered, options applied."""
+    from examples.rag_pipeline import ask, connect
+    from sglang_ext.frontend import register_documents
+
+    example = load_hotpotqa(1, seed=21)[0]
+    documents = list(example.documents[:4])
+    chunks = register_documents(hicache_server.url, documents)
+    assert [c.num_tokens > 0 for c in chunks] == [True] * 4
+    assert register_documents(hicache_server.url, documents[:1])[0].created is False
+    backend = connect(hicache_server.url)
+    with backend.fusion(selector="reuse", recompute_ratio=0.0):
+        fused = ask(documents[::-1], example.question, max_tokens=4)
+    plain = ask(documents[::-1], example.question, max_tokens=4)
+    assert fused.tokens_reused >= 0.8 * sum(c.num_tokens for c in chunks)
+    assert plain.tokens_reused == 0

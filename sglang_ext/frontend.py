@@ -1,0 +1,98 @@
+"""Frontend helpers: register documents and pass fusion options from `sgl.function` programs.
+
+    backend = FusionEndpoint("http://127.0.0.1:30000", chat_template_name="chatml")
+    register_documents(backend.base_url, docs)
+    with backend.fusion(selector="a3", recompute_ratio=0.15):
+        state = my_rag_program.run(documents=docs, question=q, backend=backend)
+
+`sgl.gen` has no field for SGLang's `custom_params`, so the endpoint adds the fusion options to
+every `/generate` body it sends while a `fusion(...)` block is active.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import sglang as sgl
+
+
+@dataclass(frozen=True)
+class RegisteredChunk:
+    id: str
+    num_tokens: int
+    created: bool
+
+
+class ChunkRegistrationError(RuntimeError):
+    """The server refused a document; the message is the server's."""
+
+
+def register_documents(
+    url: str, documents: Sequence[str], timeout_s: float = 600.0
+) -> list[RegisteredChunk]:
+    """POST each document to `/chunks` (idempotent); returns their ids in order."""
+    registered = []
+    for document in documents:
+        response = requests.post(
+            url.rstrip("/") + "/chunks", json={"text": document}, timeout=timeout_s
+        )
+        if response.status_code != 200:
+            raise ChunkRegistrationError(
+                f"/chunks answered {response.status_code}: {response.text}"
+            )
+        body = response.json()
+        registered.append(RegisteredChunk(body["id"], body["num_tokens"], body["created"]))
+    return registered
+
+
+@dataclass(frozen=True)
+class FusionRequest:
+    """Per-request fusion options, as the server's `custom_params` keys."""
+
+    selector: str = "a3"
+    recompute_ratio: float = 0.15
+    enabled: bool = True
+
+    def custom_params(self) -> dict[str, Any]:
+        return {
+            "fusion": self.enabled,
+            "fusion_selector": self.selector,
+            "fusion_recompute_ratio": self.recompute_ratio,
+        }
+
+
+class FusionEndpoint(sgl.RuntimeEndpoint):
+    """A RuntimeEndpoint that sends fusion options with its generate requests."""
+
+    def __init__(
+        self, base_url: str, *args: Any, fusion: FusionRequest | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(base_url, *args, **kwargs)
+        # Programs execute in the interpreter's own threads, so the options live on the endpoint:
+        # use one endpoint per option set when running programs with different options at once.
+        self.fusion_request = fusion
+
+    @contextmanager
+    def fusion(
+        self, selector: str = "a3", recompute_ratio: float = 0.15, enabled: bool = True
+    ) -> Iterator[FusionRequest]:
+        """Fusion options for the programs run inside the block."""
+        previous = self.fusion_request
+        self.fusion_request = FusionRequest(selector, recompute_ratio, enabled)
+        try:
+            yield self.fusion_request
+        finally:
+            self.fusion_request = previous
+
+    def _add_images(self, s: Any, data: dict[str, Any]) -> None:
+        # The one hook both generate paths call with the request body just before sending it.
+        super()._add_images(s, data)
+        options = self.fusion_request
+        if options is not None:
+            params = data["sampling_params"].setdefault("custom_params", {}) or {}
+            params.update(options.custom_params())
+            data["sampling_params"]["custom_params"] = params
