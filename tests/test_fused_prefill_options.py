@@ -1,0 +1,44 @@
+"""Per-request fusion options and the adapter's refusal of unsupported model classes."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_ext.fused_prefill import FusionOptions, SGLangModelAdapter, parse_options
+from sglang_ext.settings import ExtensionSettings
+
+DEFAULTS = ExtensionSettings(
+    fusion_by_default=False, fusion_selector="a3", fusion_recompute_ratio=0.15
+)
+
+
+def test_defaults_and_overrides() -> None:
+    assert parse_options(None, DEFAULTS) == FusionOptions(False, "a3", 0.15)
+    assert parse_options({"fusion": True, "fusion_recompute_ratio": 1}, DEFAULTS) == FusionOptions(
+        True, "a3", 1.0
+    )
+    assert parse_options({"fusion_selector": "epic", "other_key": 3}, DEFAULTS).selector == "epic"
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"fusion_recompute_ratio": 1.01}, r"in \[0, 1\]"),
+        ({"fusion_recompute_ratio": True}, r"in \[0, 1\]"),
+        ({"fusion_recompute_ratio": "0.1"}, r"in \[0, 1\]"),
+        ({"fusion_selector": "nope"}, "is unknown"),
+        ({"fusion": 1}, "true or false"),
+        ("not a dict", "must be an object"),
+    ],
+)
+def test_bad_options(params: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_options(params, DEFAULTS)
+
+
+def test_model_family_without_adapter_is_refused_by_name() -> None:
+    class Gemma2ForCausalLM:  # a real SGLang class name that has no fusion adapter
+        pass
+
+    with pytest.raises(ValueError, match="no adapter for Gemma2ForCausalLM"):
+        SGLangModelAdapter(Gemma2ForCausalLM(), hf_config=None)
