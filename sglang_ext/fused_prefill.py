@@ -21,6 +21,7 @@ several chunked-prefill rounds, when it asks for input logprobs, or when no chun
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import weakref
@@ -36,7 +37,7 @@ from sglang_ext.fusion.executor import fused_prefill
 from sglang_ext.fusion.request import ChunkSegment, Segment, TextSegment
 from sglang_ext.fusion.rope import rope_spec_from_config
 from sglang_ext.fusion.selectors import SELECTORS, make_selector
-from sglang_ext.settings import ExtensionSettings
+from sglang_ext.settings import ExtensionSettings, load_settings
 
 logger = logging.getLogger(__name__)
 
@@ -168,13 +169,17 @@ def runtime() -> FusionRuntime | None:
 # ---- hooks ------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4)
+def _settings_for(extra_config: str | None) -> ExtensionSettings:
+    # Read once per server: the file was validated at launch and does not change while serving.
+    return load_settings(extra_config)
+
+
 def validate_request(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE hook on TokenizerManager.generate_request (launching process): 400 on bad options."""
-    from sglang_ext.settings import load_settings
-
     params = getattr(obj, "sampling_params", None)
     batch = params if isinstance(params, list) else [params]
-    settings = load_settings(tokenizer_manager.server_args.hicache_storage_backend_extra_config)
+    settings = _settings_for(tokenizer_manager.server_args.hicache_storage_backend_extra_config)
     for sampling in batch:
         if isinstance(sampling, dict):
             parse_options(sampling.get("custom_params"), settings)
@@ -282,7 +287,9 @@ def _segments(registry: ChunkRegistry, tokens: list[int]) -> tuple[list[Segment]
     cursor = 0
     hits = 0
     for match in registry.index.find(tokens):
-        chunk = next((c for k, c in registry.store.items() if k == match.chunk_id), None)
+        # A hit refreshes the chunk's LRU position; an entry evicted since matching is skipped
+        # (its tokens are then computed like any text).
+        chunk = registry.store.get(match.chunk_id)
         if chunk is None:
             continue
         if match.prompt_start > cursor:

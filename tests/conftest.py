@@ -20,6 +20,18 @@ __all__ = ["E2E_DEVICE_TOKENS", "generate"]
 E2E_DEVICE_TOKENS = 4096
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module: the 2 cores are shared with servers, and two spinning
+    threads are far slower than one there."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return prepare(SMOLLM2)

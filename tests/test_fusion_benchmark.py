@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "fusion_gpu.py"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The CPU is shared with servers and benchmarks: two spinning threads are far slower than one.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def test_small_benchmark_writes_results(tmp_path: Path) -> None:

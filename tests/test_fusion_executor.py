@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,17 +21,10 @@ from sglang_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_ext.fusion.rope import apply_rope
 from sglang_ext.fusion.selectors import A3Selector, SelectionContext, make_selector
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FAMILIES = ["llama", "qwen2"]
 ATOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The CPU is shared with servers and benchmarks: two spinning threads are far slower than one.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

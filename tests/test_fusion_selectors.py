@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,11 @@ from sglang_ext.fusion.executor import fused_prefill, precompute_chunk
 from sglang_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_ext.fusion.selectors import SELECTORS, make_selector
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FAMILIES = ["llama", "qwen2"]
 RATIOS = [0.0, 0.1, 0.37, 1.0]
 CHUNK_LENGTHS = (7, 19, 30)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The CPU is shared with servers and benchmarks: two spinning threads are far slower than one.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,20 +14,13 @@ from sglang_ext.fusion.request import ChunkSegment, TextSegment
 from sglang_ext.fusion.rope import apply_rope
 from sglang_ext.fusion.selectors import make_selector
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SHIFT = 700
 DOC = (
     "The Amazon river carries more water than any other river on Earth. It flows through Peru, "
     "Colombia and Brazil before reaching the Atlantic Ocean near the city of Belem."
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The CPU is shared with servers and benchmarks: two spinning threads are far slower than one.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,19 @@ def _hf_pre_rope_keys(model_path: Path, token_ids: list[int]) -> list[torch.Tens
     return captured
 
 
+def _assert_probe_matches(
+    url: str, chunk_id: str, reference: list[torch.Tensor], layer: int, token: int
+) -> None:
+    probe = requests.get(
+        f"{url}/chunks/{chunk_id}",
+        params={"probe_layer": layer, "probe_token": token},
+        timeout=30,
+    ).json()["key_probe"]
+    expected = reference[layer][token]
+    rel_error = (torch.tensor(probe) - expected).norm() / expected.norm()
+    assert rel_error < 1e-3, (layer, token, float(rel_error))
+
+
 def test_register_capture_list_delete(hicache_server, smollm2_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -60,14 +73,7 @@ def test_register_capture_list_delete(hicache_server, smollm2_path: Path) -> Non
 
     reference = _hf_pre_rope_keys(smollm2_path, token_ids)
     for layer, token in [(0, 5), (14, n - 1), (29, 11)]:
-        probe = requests.get(
-            f"{url}/chunks/{chunk_id}",
-            params={"probe_layer": layer, "probe_token": token},
-            timeout=30,
-        ).json()["key_probe"]
-        expected = reference[layer][token]
-        rel_error = (torch.tensor(probe) - expected).norm() / expected.norm()
-        assert rel_error < 1e-3, (layer, token, float(rel_error))
+        _assert_probe_matches(url, chunk_id, reference, layer, token)
 
     assert requests.delete(f"{url}/chunks/{chunk_id}", timeout=30).json()["deleted"] is True
     assert requests.delete(f"{url}/chunks/{chunk_id}", timeout=30).status_code == 404
@@ -132,11 +138,4 @@ def test_chunk_longer_than_a_prefill_round(tiny_llama_path: Path, tmp_path: Path
         reference = _hf_pre_rope_keys(tiny_llama_path, token_ids)
         for layer in range(4):
             for token in (0, 40, len(token_ids) - 1):  # first, middle and last prefill round
-                probe = requests.get(
-                    f"{config.url}/chunks/{chunk['id']}",
-                    params={"probe_layer": layer, "probe_token": token},
-                    timeout=30,
-                ).json()["key_probe"]
-                expected = reference[layer][token]
-                rel_error = (torch.tensor(probe) - expected).norm() / expected.norm()
-                assert rel_error < 1e-3, (layer, token, float(rel_error))
+                _assert_probe_matches(config.url, chunk["id"], reference, layer, token)
