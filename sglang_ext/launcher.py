@@ -12,10 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -130,8 +132,11 @@ def stop_process_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) 
 def running_server(
     config: ServerConfig, log_path: Path, startup_timeout_s: float = 300.0
 ) -> Iterator[ServerConfig]:
-    """Start the server, wait until `/health` answers, yield, then stop the whole process group."""
+    """Start the server, wait until `/health` answers, yield, then stop the whole process group.
+
+    SIGTERM to the caller also stops the server: Python's default SIGTERM skips `finally`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    previous_handler = _exit_on_sigterm()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             config.command(),
@@ -160,6 +165,21 @@ def running_server(
         yield config
     finally:
         stop_process_group(process)
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm() -> Any:
+    """Turn SIGTERM into SystemExit (main thread only); returns the handler to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None  # the caller handles SIGTERM itself
+    return signal.signal(signal.SIGTERM, _raise_system_exit)
 
 
 def generate(
