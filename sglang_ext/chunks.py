@@ -98,10 +98,13 @@ class ChunkRegistry:
         }
 
     def describe(self, chunk_id: str) -> dict[str, Any] | None:
-        return next((self._info(k, c) for k, c in self.store.items() if k == chunk_id), None)
+        chunk = self.store.peek(chunk_id)
+        return None if chunk is None else self._info(chunk_id, chunk)
 
     def _key_probe(self, chunk_id: str, layer: int, token: int) -> list[list[float]]:
-        chunk = dict(self.store.items())[chunk_id]
+        chunk = self.store.peek(chunk_id)
+        if chunk is None:
+            raise ValueError(f"unknown chunk {chunk_id[:12]}")
         if not (0 <= layer < chunk.num_layers and 0 <= token < chunk.num_tokens):
             raise ValueError(
                 f"probe out of range: layer {layer} of {chunk.num_layers}, token {token} of {chunk.num_tokens}"

@@ -97,3 +97,4 @@ def test_precomputed_chunk_sizes_itself(tiny_llama_path) -> None:
     store: ChunkStore[PrecomputedChunk] = ChunkStore(capacity_bytes=chunk.nbytes)
     store.put(chunk.content_hash, chunk)
     assert store.get(chunk.content_hash) is chunk
+    assert store.peek(chunk.content_hash) is chunk and store.stats().hits == 1  # peek is not a hit

@@ -59,6 +59,11 @@ class ChunkStore(Generic[V]):
         with self._lock:
             return len(self._entries)
 
+    def peek(self, key: str) -> V | None:
+        """The entry without touching recency or hit counts (listing, diagnostics)."""
+        with self._lock:
+            return self._entries.get(key)
+
     def items(self) -> list[tuple[str, V]]:
         """Stored entries, least recently used first, without touching recency or hit counts."""
         with self._lock:
