@@ -62,6 +62,10 @@ class AccessRecorder:
     def __len__(self) -> int:
         return len(self._times)
 
+    def requests(self) -> list[tuple[float, tuple[str, ...]]]:
+        """The recorded requests, oldest first (a copy)."""
+        return list(zip(self._times, self._paths, strict=True))
+
     def page_history(
         self, page: str, start_s: float = -np.inf, end_s: float = np.inf
     ) -> PageHistory:

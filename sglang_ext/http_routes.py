@@ -6,6 +6,11 @@
 - `GET /chunks/{id}[?probe_layer=L&probe_token=T]`: one chunk; the probe (diagnostics) adds the
   stored pre-RoPE key of token T at layer L, to check a capture against another implementation.
 - `DELETE /chunks/{id}`: drop a chunk (404 unknown, 409 while a running request uses it).
+- `GET /hicache_ext/storage[?pages=N]`: the disk tier (`sglang_ext.storage_backend`): bytes and
+  pages per group, expiries, hit ratios per tier and group, current TTLs and the last plan; with
+  `pages`, the first N pages (soonest expiry first) with their group and expiry.
+- `POST /hicache_ext/storage/ttl` `{"replan": true}` (plan now from the window) or
+  `{"default_ttl_s": S, "ttls": {group: S}}` (operator override until the next plan).
 
 Registration runs as a prefill-only generate request (the scheduler captures the KV, see
 `sglang_ext.chunks`); list and delete use SGLang's scheduler control channel.
@@ -147,6 +152,29 @@ async def delete_chunk(chunk_id: str) -> JSONResponse:
     return JSONResponse({"id": chunk_id, "deleted": True})
 
 
+async def storage_status(pages: int = 0) -> JSONResponse:
+    if pages < 0:
+        return _error(400, "pages must be >= 0")
+    try:
+        return JSONResponse(await _control("storage.status", {"pages": pages}))
+    except ControlError as err:
+        return _error(503, str(err))
+
+
+async def storage_ttl(request: Request) -> JSONResponse:
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "the body is not valid JSON")
+    if not isinstance(body, dict):
+        return _error(400, "send a JSON object")
+    try:
+        return JSONResponse(await _control("storage.ttl", body))
+    except ControlError as err:
+        status = 503 if "not in use" in str(err) else 400
+        return _error(status, str(err))
+
+
 def register_routes() -> None:
     from sglang.srt.entrypoints.http_server import app
 
@@ -156,3 +184,5 @@ def register_routes() -> None:
     app.add_api_route("/chunks", list_chunks, methods=["GET"])
     app.add_api_route("/chunks/{chunk_id}", describe_chunk, methods=["GET"])
     app.add_api_route("/chunks/{chunk_id}", delete_chunk, methods=["DELETE"])
+    app.add_api_route("/hicache_ext/storage", storage_status, methods=["GET"])
+    app.add_api_route("/hicache_ext/storage/ttl", storage_ttl, methods=["POST"])

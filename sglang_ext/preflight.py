@@ -10,6 +10,7 @@ through the Python `Engine` API it is a `PreflightError` (a ValueError) to catch
 from __future__ import annotations
 
 import errno
+import json
 import socket
 import sys
 from pathlib import Path
@@ -27,6 +28,44 @@ def check_settings(server_args: Any) -> ExtensionSettings:
         return load_settings(server_args.hicache_storage_backend_extra_config)
     except SettingsError as err:
         raise PreflightError(f"bad hicache_ext settings: {err}") from err
+
+
+def check_disk_tier(server_args: Any) -> None:
+    """Our disk backend's options, and the flags it needs, before any process starts."""
+    if server_args.hicache_storage_backend != "dynamic":
+        return
+    raw = server_args.hicache_storage_backend_extra_config or ""
+    try:
+        extra = _read_extra_config(raw)
+    except (OSError, ValueError) as err:
+        raise PreflightError(f"--hicache-storage-backend-extra-config: {err}") from err
+    from sglang_ext import storage_backend
+
+    if extra.get("module_path") != storage_backend.MODULE_PATH:
+        return
+    try:
+        storage_backend.DiskTierOptions.from_extra_config(extra)
+    except (TypeError, ValueError) as err:
+        raise PreflightError(str(err)) from err
+    if server_args.radix_cache_backend != "hicache_ext":
+        raise PreflightError(
+            f"{storage_backend.BACKEND_NAME} needs --radix-cache-backend hicache_ext "
+            "(the tree records page accesses and the controller passes groups and TTLs)"
+        )
+
+
+def _read_extra_config(raw: str) -> dict[str, Any]:
+    if raw.startswith("@"):
+        path = Path(raw[1:])
+        if path.suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(path.read_text())
+        raw = path.read_text()
+    value = json.loads(raw) if raw.strip() else {}
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return value
 
 
 def _looks_local(model_path: str) -> bool:
@@ -74,6 +113,7 @@ def launched_from_command_line() -> bool:
 def run_checks(server_args: Any, serving_http: bool) -> None:
     """Settings are always checked; `preflight_checks = false` skips the model and port checks."""
     settings = check_settings(server_args)
+    check_disk_tier(server_args)
     if not settings.preflight_checks:
         return
     check_model_path(str(server_args.model_path))

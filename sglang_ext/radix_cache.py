@@ -9,6 +9,7 @@ of the extension's per-tree state (chunk store, groups and TTLs come with later 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "hicache_ext"
 _cache_class: type | None = None
+_RECORDED_RIDS = 4096
 
 
 def cache_class() -> type:
@@ -37,10 +39,48 @@ def cache_class() -> type:
         class HiCacheExtRadixCache(UnifiedRadixCache):
             """UnifiedRadixCache on the Python tree core, carrying the extension's state."""
 
-            # Both replaced per instance by the factory.
+            # Replaced per instance by the factory.
             settings: ExtensionSettings = ExtensionSettings()
             chunks: ChunkRegistry | None = None
             chunks_unavailable: str = "not initialised"
+            disk_tier: Any = None  # sglang_ext.storage_backend.KaretoDiskStorage when in use
+            _recorded_rids: OrderedDict[str, None] | None = None
+
+            def match_prefix(self, params: Any) -> Any:
+                result = super().match_prefix(params)
+                if self.disk_tier is not None and params.req is not None:
+                    self._record_access(params, result)
+                return result
+
+            def _record_access(self, params: Any, result: Any) -> None:
+                """Log the request's pages (once per request) and which tier served them."""
+                if self._recorded_rids is None:
+                    self._recorded_rids = OrderedDict()
+                rid = params.req.rid
+                # The scheduler may match a waiting request several times: count it once.
+                if rid in self._recorded_rids:
+                    return
+                self._recorded_rids[rid] = None
+                if len(self._recorded_rids) > _RECORDED_RIDS:
+                    self._recorded_rids.popitem(last=False)
+                pages = self.page_keys(params.key)
+                if not pages:
+                    return
+                groups = self.disk_tier.online.record(
+                    pages,
+                    device_pages=int(result.device_prefix_len) // self.page_size,
+                    host_pages=int(result.host_hit_length) // self.page_size,
+                )
+                self.cache_controller.refresh_ttls(pages, groups)
+
+            def page_keys(self, key: Any) -> list[str]:
+                """Storage keys of the full pages of `key` (the hash chain the controller uses)."""
+                from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+                full = len(key) // self.page_size * self.page_size
+                if full == 0:
+                    return []
+                return list(get_storage_hash_str(key[:full], None, page_size=self.page_size))
 
             def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
                 # The request's KV rows are still valid here; they are freed right after.
@@ -77,6 +117,7 @@ def cache_class() -> type:
                     if self.chunks is not None
                     else self.chunks_unavailable,
                     "fusion": fused_prefill.runtime().stats() if fused_prefill.runtime() else None,
+                    "disk_tier": self.disk_tier.status() if self.disk_tier is not None else None,
                 }
 
         _cache_class = HiCacheExtRadixCache
@@ -92,6 +133,7 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     cache = create_unified_radix_cache(ctx, cache_class=cache_class())
     cache.settings = settings
     cache.chunks, cache.chunks_unavailable = _chunk_registry(ctx, settings)
+    cache.disk_tier = _install_disk_tier(cache)
     fused_prefill.install_runtime(cache.chunks, settings)
     logger.info(
         "hicache_ext radix cache ready: tree_core=%s hierarchical_cache=%s",
@@ -99,6 +141,12 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
         cache.cache_controller is not None,
     )
     return cache
+
+
+def _install_disk_tier(cache: Any) -> Any:
+    from sglang_ext import ttl_controller
+
+    return ttl_controller.install(cache)
 
 
 def _chunk_registry(
@@ -122,6 +170,8 @@ def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:
         return original(scheduler, recv_req)
     from sglang.srt.managers.io_struct import DumperControlReqOutput
 
+    if str(recv_req.method).startswith(STORAGE_CONTROL_PREFIX):
+        return _handle_storage_control(scheduler, recv_req)
     chunks = getattr(scheduler.tree_cache, "chunks", None)
     try:
         if chunks is None:
@@ -147,3 +197,49 @@ def add_status_to_internal_state(result: Any, scheduler: Any, *args: Any, **kwar
     if status is not None and tree_cache.settings.report_in_server_info:
         result.internal_state["hicache_ext"] = status()
     return result
+
+
+STORAGE_CONTROL_PREFIX = CONTROL_PREFIX + "storage."
+
+
+def _handle_storage_control(scheduler: Any, recv_req: Any) -> None:
+    """`hicache_ext.storage.status` / `.ttl`: the disk tier's metrics and TTL overrides."""
+    from sglang.srt.managers.io_struct import DumperControlReqOutput
+
+    disk_tier = getattr(scheduler.tree_cache, "disk_tier", None)
+    name = str(recv_req.method)[len(STORAGE_CONTROL_PREFIX) :]
+    body = dict(recv_req.body)
+    try:
+        if disk_tier is None:
+            raise RuntimeError(
+                "the disk tier is not in use (start with --radix-cache-backend hicache_ext, "
+                "--enable-hierarchical-cache and --hicache-storage-backend dynamic with "
+                "sglang_ext.storage_backend.KaretoDiskStorage)"
+            )
+        if name == "status":
+            response = disk_tier.status(pages=int(body.get("pages", 0)))
+        elif name == "ttl":
+            response = _apply_ttl_request(disk_tier, body)
+        else:
+            raise ValueError(f"unknown hicache_ext control method {recv_req.method!r}")
+        output = DumperControlReqOutput(success=True, response=[response])
+    except (RuntimeError, ValueError, TypeError) as err:
+        output = DumperControlReqOutput(success=False, response=[], error=str(err))
+    scheduler.ipc_channels.send_to_tokenizer.send_output(output, recv_req)
+
+
+def _apply_ttl_request(disk_tier: Any, body: dict[str, Any]) -> dict[str, Any]:
+    from tiers.ttl_policy import TtlTable
+
+    if body.get("replan"):
+        record = disk_tier.online.replan()
+        return {"replanned": record is not None, "ttl": disk_tier.online.status()}
+    if "default_ttl_s" not in body:
+        raise ValueError('send {"replan": true} or {"default_ttl_s": S, "ttls": {group: S}}')
+    ttls = body.get("ttls") or {}
+    if not isinstance(ttls, dict):
+        raise ValueError('"ttls" must map group names to seconds')
+    table = TtlTable(float(body["default_ttl_s"]), {str(k): float(v) for k, v in ttls.items()})
+    disk_tier.online.policy.update(table)
+    logger.warning("hicache_ext: TTLs set by request (until the next plan): %s", table.as_dict())
+    return {"ttl": disk_tier.online.status()}

@@ -214,3 +214,37 @@ def test_expiry_and_eviction_never_remove_a_page_being_read(tmp_path: Path) -> N
     assert not store._path_of("p").exists()  # deleted when the last reader left
     assert store.stats().entries == 0 and store.stats().used_bytes == 0
     assert store.put("q", b"y" * 1000)
+
+
+def test_writer_ttl_and_touch_refresh_with_group_change(tmp_path: Path) -> None:
+    clock = FakeClock(1_000.0)
+    store = make_store(tmp_path, clock=clock, default=10.0, hot=100.0)
+    assert store.put("a" * 64, b"page", group="residual", ttl_s=3.0)  # the writer's TTL wins
+    assert store.info("a" * 64).expiry == 1_003.0
+    with pytest.raises(ValueError, match="ttl_s"):
+        store.put("b" * 64, b"page", ttl_s=-1.0)
+
+    clock.now = 1_002.0
+    # An access served by a faster tier: the page moves to its current group, TTL from it.
+    assert store.touch(["a" * 64, "missing"], groups=["hot", "hot"]) == 1
+    info = store.info("a" * 64)
+    assert (info.group, info.last_access, info.expiry) == ("hot", 1_002.0, 1_102.0)
+    assert store.group_usage() == {"hot": {"pages": 1, "bytes": info.size_bytes}}
+    assert store.stats().refreshes == 1
+
+    clock.now = 1_200.0  # expired: touch does not revive it
+    assert store.touch(["a" * 64]) == 0
+    assert not store.contains("a" * 64)
+    with pytest.raises(ValueError, match="groups"):
+        store.touch(["a" * 64], groups=[])
+
+
+def test_touch_persists_last_access_across_restart(tmp_path: Path) -> None:
+    clock = FakeClock(1_000.0)
+    store = make_store(tmp_path, clock=clock, default=10.0)
+    assert store.put("a" * 64, b"page")
+    clock.now = 1_008.0
+    store.touch(["a" * 64])
+    clock.now = 1_015.0  # past the write's expiry (1010), within the touch's (1018)
+    reopened = make_store(tmp_path, clock=clock, default=10.0)
+    assert reopened.get("a" * 64) == b"page"

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from sglang_ext.launcher import ServerConfig, free_port
-from sglang_ext.preflight import PreflightError, check_model_path, check_port_free
+from sglang_ext.preflight import (
+    PreflightError,
+    check_disk_tier,
+    check_model_path,
+    check_port_free,
+)
 from sglang_ext.settings import CONFIG_ENV_VAR
 
 
@@ -79,3 +87,43 @@ def test_launch_on_busy_port(smollm2_path: Path) -> None:
         port = holder.getsockname()[1]
         result = _launch(ServerConfig(model_path=str(smollm2_path), port=port))
     _assert_clear_error(result, "already in use")
+
+
+def _disk_tier_args(extra: dict[str, object], radix: str = "hicache_ext") -> SimpleNamespace:
+    return SimpleNamespace(
+        hicache_storage_backend="dynamic",
+        hicache_storage_backend_extra_config=json.dumps(extra),
+        radix_cache_backend=radix,
+    )
+
+
+DISK_TIER = {
+    "backend_name": "hicache_ext_disk",
+    "module_path": "sglang_ext.storage_backend",
+    "class_name": "KaretoDiskStorage",
+    "interface_v1": 1,
+    "prefetch_threshold": 64,  # SGLang's own keys are accepted
+}
+
+
+@pytest.mark.parametrize(
+    ("extra", "radix", "message"),
+    [
+        ({**DISK_TIER, "ttl_polcy": "group"}, "hicache_ext", "unknown option(s) ttl_polcy"),
+        ({**DISK_TIER, "interface_v1": 0}, "hicache_ext", '"interface_v1": 1'),
+        ({**DISK_TIER, "ttl_policy": "lru"}, "hicache_ext", "not one of group, fixed, static"),
+        ({**DISK_TIER, "capacity_bytes": 0}, "hicache_ext", "capacity_bytes must be > 0"),
+        (DISK_TIER, None, "needs --radix-cache-backend hicache_ext"),
+    ],
+)
+def test_disk_tier_options_are_checked_before_launch(
+    extra: dict[str, object], radix: str | None, message: str
+) -> None:
+    with pytest.raises(PreflightError, match=re.escape(message)):
+        check_disk_tier(_disk_tier_args(extra, radix))
+
+
+def test_disk_tier_good_options_and_other_backends_pass(tmp_path: Path) -> None:
+    check_disk_tier(_disk_tier_args({**DISK_TIER, "disk_dir": str(tmp_path), "ttl_groups": 4}))
+    other = {"backend_name": "x", "module_path": "elsewhere", "class_name": "X", "any": 1}
+    check_disk_tier(_disk_tier_args(other, radix=None))

@@ -25,7 +25,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +71,7 @@ class DiskStoreStats:
     write_errors: int  # OS errors while writing (full disk, I/O error)
     corrupt_pages: int  # failed a checksum / length / key check, removed, never served
     removed_temp_files: int  # partial writes found on open
+    refreshes: int  # TTL refreshes without a read (`touch`)
 
 
 class _Entry:
@@ -133,6 +134,7 @@ class DiskStore:
                 "write_errors",
                 "corrupt_pages",
                 "removed_temp_files",
+                "refreshes",
             ),
             0,
         )
@@ -141,15 +143,22 @@ class DiskStore:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def put(self, key: str, value: bytes, group: str = RESIDUAL_GROUP) -> bool:
+    def put(
+        self, key: str, value: bytes, group: str = RESIDUAL_GROUP, ttl_s: float | None = None
+    ) -> bool:
         """Store `value` under `key`; False (logged, counted) when it cannot be stored.
 
+        `ttl_s` (the writer's TTL for this page, e.g. from the same policy at the time it
+        decided) sets this write's expiry; later accesses refresh it from the policy.
         A failed write never disturbs what is already stored under `key`.
         """
         _check_key(key)
+        if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s >= 0):
+            raise ValueError(f"ttl_s must be finite and >= 0, got {ttl_s!r}")
         payload = bytes(value)
         now = self._clock()
-        header = encode_header(key, group, payload, now, self.policy.expiry_on_access(group, now))
+        expiry = now + ttl_s if ttl_s is not None else self.policy.expiry_on_access(group, now)
+        header = encode_header(key, group, payload, now, expiry)
         size = len(header) + len(payload)
         path = self._path_of(key)
         with self._lock:
@@ -182,7 +191,7 @@ class DiskStore:
             entry = _Entry(key, group, size, now, path)
             self._entries[key] = entry
             self._used += size
-            self._set_expiry(entry, now)
+            self._set_expiry(entry, now, expiry)
         fsync_directory(path.parent)  # the rename is durable before put returns
         return True
 
@@ -219,6 +228,33 @@ class DiskStore:
             self._release_if_doomed(entry)
         return payload
 
+    def touch(self, keys: Sequence[str], groups: Sequence[str] | None = None) -> int:
+        """Refresh the TTL of the live pages among `keys` (an access served by a faster tier);
+        returns how many were refreshed. Nothing is read; expired pages stay expired.
+
+        With `groups` (the pages' groups now: groupings change every period), a page moves to
+        its new group before its expiry is recomputed; the file keeps its write-time group.
+        """
+        if groups is not None and len(groups) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(groups)} groups")
+        now = self._clock()
+        touched: list[Path] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is None or entry.doomed or not self.policy.is_live(entry.expiry, now):
+                    continue
+                if groups is not None:
+                    entry.group = groups[i]
+                entry.last_access = now
+                self._set_expiry(entry, now)
+                touched.append(entry.path)
+            self._counts["refreshes"] += len(touched)
+        for path in touched:  # persist "last access" for the index rebuilt after a restart
+            with contextlib.suppress(OSError):
+                os.utime(path, (now, now))
+        return len(touched)
+
     def contains(self, key: str) -> bool:
         """Whether a live page is stored (no TTL refresh)."""
         with self._lock:
@@ -229,6 +265,22 @@ class DiskStore:
         with self._lock:
             entry = self._entries.get(key)
             return entry.info() if entry is not None else None
+
+    def infos(self) -> list[PageInfo]:
+        """Every indexed page, soonest expiry first."""
+        with self._lock:
+            entries = sorted(self._entries.values(), key=lambda e: e.expiry)
+            return [entry.info() for entry in entries]
+
+    def group_usage(self) -> dict[str, dict[str, int]]:
+        """Pages and bytes on disk per group."""
+        usage: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for entry in self._entries.values():
+                row = usage.setdefault(entry.group, {"pages": 0, "bytes": 0})
+                row["pages"] += 1
+                row["bytes"] += entry.size
+        return usage
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -294,8 +346,8 @@ class DiskStore:
         self._release_if_doomed(entry)
         return False
 
-    def _set_expiry(self, entry: _Entry, now: float) -> None:
-        entry.expiry = self.policy.expiry_on_access(entry.group, now)
+    def _set_expiry(self, entry: _Entry, now: float, expiry: float | None = None) -> None:
+        entry.expiry = self.policy.expiry_on_access(entry.group, now) if expiry is None else expiry
         heapq.heappush(self._expiry_heap, (entry.expiry, next(self._sequence), entry))
         if len(self._expiry_heap) > 4 * len(self._entries) + 64:
             self._expiry_heap = [

@@ -1,0 +1,247 @@
+"""Online TTLs for a live server: record accesses, re-plan every period, publish to the policy.
+
+The live counterpart of `tuning.ttl.replay --online`: each period's TTLs come only from the
+accesses of a sliding window before it (same planners, same `TtlPolicy`). Planning runs in a
+daemon thread on a snapshot of the window, so recording (called from the scheduler) never waits
+for the optimiser.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from radix.access_recorder import AccessRecorder
+from radix.groups import SubtreeGrouping
+from tiers.ttl_policy import TtlPolicy, TtlTable
+from tuning.ttl.budget import average_pages
+from tuning.ttl.planner import (
+    FixedTtlPlanner,
+    GroupTtlPlanner,
+    PlannedTtls,
+    StaticTtlPlanner,
+    TtlPlanner,
+)
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("group", "fixed", "static")
+TIERS = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class OnlineTtlConfig:
+    """How TTLs are chosen on a live server (units: seconds and bytes)."""
+
+    policy: str = "group"  # group | fixed | static (static: initial_ttl_s / static_ttls forever)
+    disk_budget_bytes: float = 8 * 2**30  # average bytes on disk the TTLs may cost
+    period_s: float = 300.0
+    window_s: float = 3600.0
+    top_k: int = 8
+    max_ttl_s: float = 86_400.0
+    initial_ttl_s: float = 600.0  # until the first plan (and the default group of `static`)
+    static_ttls: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"ttl policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        for name in ("disk_budget_bytes", "initial_ttl_s", "max_ttl_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+        for name in ("period_s", "window_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    def initial_table(self) -> TtlTable:
+        return TtlTable(self.initial_ttl_s, dict(self.static_ttls))
+
+    def planner(self) -> TtlPlanner:
+        if self.policy == "group":
+            return GroupTtlPlanner(self.top_k, self.max_ttl_s)
+        if self.policy == "fixed":
+            return FixedTtlPlanner(self.max_ttl_s)
+        return StaticTtlPlanner(self.initial_table())
+
+
+class PlanRecord(NamedTuple):
+    at_s: float
+    window: tuple[float, float]
+    choice: str
+    ttls: dict[str, float]
+    groups: int
+    seconds: float  # time the planner took
+
+
+class OnlineTtl:
+    """Access log + current grouping and TTLs of one storage tier; thread-safe."""
+
+    def __init__(
+        self,
+        config: OnlineTtlConfig,
+        policy: TtlPolicy | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.policy = policy if policy is not None else TtlPolicy(config.initial_table())
+        self._planner = config.planner()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._recorder = AccessRecorder()
+        self._grouping = SubtreeGrouping()
+        self._bytes_per_page = 0
+        self._started_s = clock()
+        self._next_plan_s = self._started_s + config.period_s
+        self._plans: list[PlanRecord] = []
+        self._hits: dict[tuple[str, str], int] = defaultdict(int)  # (tier, group) -> pages
+        self._accesses: dict[str, int] = defaultdict(int)  # group -> pages
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._plan_error: str | None = None
+        self._last_time = -math.inf
+
+    # -- recording (scheduler thread) -------------------------------------------------------
+
+    def record(self, pages: Sequence[str], device_pages: int = 0, host_pages: int = 0) -> list[str]:
+        """One request's page path; the first `device_pages` hit the device, the next
+        `host_pages` the host. Returns the group of every page."""
+        now = self._clock()
+        with self._lock:
+            # Requests reach the scheduler in arrival order, but clocks can step back.
+            if len(self._recorder) and now < self._last_time:
+                now = self._last_time
+            self._last_time = now
+            self._recorder.record_request(now, pages)
+            groups = self._grouping.groups_of_path(pages)
+            for index, group in enumerate(groups):
+                self._accesses[group] += 1
+                if index < device_pages:
+                    self._hits["device", group] += 1
+                elif index < device_pages + host_pages:
+                    self._hits["host", group] += 1
+        return groups
+
+    def record_disk_hits(self, groups: Sequence[str]) -> None:
+        with self._lock:
+            for group in groups:
+                self._hits["disk", group] += 1
+
+    def groups_of(self, pages: Sequence[str]) -> list[str]:
+        with self._lock:
+            return self._grouping.groups_of_path(pages)
+
+    def ttl_of(self, group: str) -> float:
+        return self.policy.ttl(group)
+
+    def set_page_bytes(self, size: int) -> None:
+        """Bytes of one stored page (known once the first page is written)."""
+        with self._lock:
+            self._bytes_per_page = max(self._bytes_per_page, int(size))
+
+    # -- planning --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Re-plan every period in a daemon thread (no-op for the static policy)."""
+        if self.config.policy == "static" or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="hicache-ext-ttl", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def replan(self, now: float | None = None) -> PlanRecord | None:
+        """Plan the next period from the window before `now` and publish it.
+
+        None when there is nothing to plan from yet (no access, or page size unknown).
+        """
+        now = self._clock() if now is None else now
+        start = max(self._started_s, now - self.config.window_s)
+        with self._lock:
+            self._recorder.forget_before(start)
+            if not len(self._recorder) or self._bytes_per_page == 0:
+                return None
+            snapshot = AccessRecorder()
+            for time_s, path in self._recorder.requests():
+                snapshot.record_request(time_s, path)
+            budget_pages = average_pages(self.config.disk_budget_bytes, self._bytes_per_page)
+        began = time.perf_counter()
+        planned: PlannedTtls = self._planner.plan(snapshot, start, now, budget_pages)
+        record = PlanRecord(
+            now,
+            (start, now),
+            planned.choice,
+            planned.table.as_dict(),
+            len(planned.grouping.top_subtrees),
+            time.perf_counter() - began,
+        )
+        with self._lock:
+            self.policy.update(planned.table)
+            self._grouping = planned.grouping
+            self._plans.append(record)
+        logger.info(
+            "hicache_ext TTLs for the next %.0f s (%s, %d subtree groups, planned in %.2f s): %s;"
+            " hit ratio so far per tier: %s",
+            self.config.period_s,
+            record.choice,
+            record.groups,
+            record.seconds,
+            {name: round(ttl, 1) for name, ttl in record.ttls.items()},
+            {tier: round(r, 3) for tier, r in self.status()["hit_ratio"].items()},
+        )
+        return record
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.0, self._next_plan_s - self._clock())):
+            self._next_plan_s += self.config.period_s
+            try:
+                self.replan()
+                self._plan_error = None
+            except Exception as error:  # keep the last published TTLs; report why
+                self._plan_error = f"{type(error).__name__}: {error}"
+                logger.exception("hicache_ext TTL planning failed; keeping the current TTLs")
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            groups = sorted(self._accesses)
+            hit_ratio = {
+                tier: {
+                    group: self._hits[tier, group] / self._accesses[group]
+                    for group in groups
+                    if self._accesses[group]
+                }
+                for tier in TIERS
+            }
+            total = sum(self._accesses.values())
+            overall = {
+                tier: (sum(self._hits[tier, g] for g in groups) / total if total else 0.0)
+                for tier in TIERS
+            }
+            last = self._plans[-1] if self._plans else None
+            return {
+                "policy": self.config.policy,
+                "period_s": self.config.period_s,
+                "window_s": self.config.window_s,
+                "disk_budget_bytes": self.config.disk_budget_bytes,
+                "bytes_per_page": self._bytes_per_page,
+                "ttls": self.policy.table.as_dict(),
+                "plans": len(self._plans),
+                "last_plan": last._asdict() if last else None,
+                "plan_error": self._plan_error,
+                "next_plan_in_s": None
+                if self.config.policy == "static"
+                else max(0.0, self._next_plan_s - self._clock()),
+                "page_accesses": dict(self._accesses),
+                "hit_ratio": overall,
+                "hit_ratio_by_group": hit_ratio,
+            }
