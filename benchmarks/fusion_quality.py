@@ -131,16 +131,31 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "fusion_quality.json"
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the questions already in --out and measure only the others",
+    )
     args = parser.parse_args()
 
     model = prepare(SMOLLM2)
     table = modes()
     config = ServerConfig(model_path=str(model), port=free_port())
     rows: list[dict] = []
+    if args.resume and args.out.exists():
+        previous = json.loads(args.out.read_text())
+        if previous.get("documents_per_prompt") != args.documents:
+            raise SystemExit(f"{args.out}: measured with other --documents; cannot resume")
+        rows = previous["rows"]
+        print(f"resuming: {len(rows)} questions already measured", flush=True)
+    done = {row["qid"] for row in rows}
+    report: dict = {}
     with running_server(
         config, log_path=Path(tempfile.mkdtemp(prefix="bench-fusion-quality-")) / "server.log"
     ):
         for index, example in enumerate(load_hotpotqa(args.questions, seed=2026)):
+            if example.qid in done:
+                continue
             documents = documents_of(example, args.documents)
             register_documents(config.url, documents)
             shuffled = random.Random(example.qid).sample(documents, len(documents))
@@ -166,6 +181,9 @@ def main() -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=2) + "\n")
             print(f"[{index + 1}/{args.questions}] {row['prompt_tokens']} tokens", flush=True)
+    if not report:
+        print("nothing left to measure")
+        return 0
     summary = report["summary"]
     print(f"\n{'mode':<16}{'exact':>7}{'emb sim':>9}{'gap closed':>12}{'F1 gold':>9}{'TTFT x':>8}")
     for mode, values in summary.items():

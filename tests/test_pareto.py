@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -149,14 +150,24 @@ def test_refinement_adds_midpoints_only_where_metrics_change() -> None:
 
 def test_selection_and_flags() -> None:
     cheap = Evaluation(Point.make(0, 0, "essd_pl1"), _result(5.0, 100, 10))
-    fast = Evaluation(Point.make(512, 600, "essd_pl3"), _result(0.5, 100, 30))
+    fast = Evaluation(
+        Point.make(512, 600, "essd_pl3"),
+        dataclasses.replace(_result(0.5, 100, 30), disk_gb=1300.0),
+    )
     assert cheap.point.disk == NO_DISK
     assert select([cheap, fast], Constraints(max_p99_ttft_ms=2000)) == [fast]
     assert select([cheap, fast], Constraints(max_cost_per_hour=20)) == [cheap]
     assert select([cheap, fast], Constraints(max_p99_ttft_ms=1000)) == []
     flags = sglang_flags(fast, Profile())
     assert flags[flags.index("--hicache-size") + 1] == "512"
-    assert "--hicache-storage-backend" in flags
+    assert flags[flags.index("--hicache-storage-backend") + 1] == "dynamic"
+    disk = json.loads(flags[flags.index("--hicache-storage-backend-extra-config") + 1])
+    assert disk["class_name"] == "KaretoDiskStorage" and disk["initial_ttl_s"] == 600
+    assert disk["capacity_bytes"] == 1300e9
+    # The printed options are ones our backend accepts (checked like a launch would).
+    from sglang_ext.storage_backend import DiskTierOptions
+
+    assert DiskTierOptions.from_extra_config(disk).ttl_policy == "static"
     assert "--hicache-storage-backend" not in sglang_flags(cheap, Profile())
 
 

@@ -125,6 +125,40 @@ def test_disk_prefetch_only_uses_queue_time() -> None:
     assert busy.hit_ratio.disk > 0.1
 
 
+def test_timeout_prefetch_policy_holds_a_request_until_its_blocks_are_loaded() -> None:
+    # SGLang 0.5.23's default: an idle instance waits for the prefetch instead of recomputing.
+    requests = conversations(n_conv=10, turns=3, gap_s=30.0, spacing_s=3.0)
+    disk = DiskConfig("essd_pl3", ttl_s=3600, capacity_gb=2000, prefetch_policy="timeout")
+    config = SimConfig(gpu_prefix_cache=False, disk=disk)
+    held = simulate(requests, config, SMALL)
+    # Every returning turn finds the previous turn's blocks (all but its two new ones) on disk.
+    later_turns = [r for r in requests if len(r.blocks) > 4]
+    returning = sum(len(r.blocks) - 2 for r in later_turns) / sum(len(r.blocks) for r in requests)
+    assert held.hit_ratio.disk == pytest.approx(returning)
+    # The load time (here ~ ms per block on PL3) is paid in TTFT instead of the recompute.
+    best_effort = simulate(
+        requests,
+        SimConfig(
+            gpu_prefix_cache=False, disk=DiskConfig("essd_pl3", ttl_s=3600, capacity_gb=2000)
+        ),
+        SMALL,
+    )
+    assert held.mean_ttft_s < best_effort.mean_ttft_s
+    # A deadline shorter than the load keeps only what arrived in time.
+    slow = dataclasses.replace(SMALL, disk_bytes_s=SMALL.block_bytes * 4.0)  # 4 blocks/s
+    cut = dataclasses.replace(
+        disk,
+        prefetch_timeout_base_s=0.5,
+        prefetch_timeout_per_ki_token_s=0.0,
+        max_write_backlog_s=1e6,  # keep every write: only the read deadline should cut
+    )
+    partial = simulate(requests, dataclasses.replace(config, disk=cut), slow)
+    assert 0 < partial.hit_ratio.disk < held.hit_ratio.disk
+    # Below the prefetch threshold nothing is prefetched.
+    high = dataclasses.replace(disk, prefetch_threshold_tokens=10**9)
+    assert simulate(requests, dataclasses.replace(config, disk=high), SMALL).hit_ratio.disk == 0.0
+
+
 def test_ttl_disk_tier_expires_and_refreshes_with_the_shared_policy() -> None:
     policy = TtlPolicy(TtlTable(default_ttl=10.0))
     tier = DiskTier(100, IoChannel(1e9), 1000, policy, max_write_backlog_s=1.0)

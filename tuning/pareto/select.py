@@ -84,7 +84,23 @@ def sglang_flags(evaluation: Evaluation, profile: Profile) -> list[str]:
         # Storage I/O goes through the host pool: keep the smallest one SGLang accepts.
         flags += ["--enable-hierarchical-cache", "--hicache-ratio", "1.1"]
     if point.disk != NO_DISK:
-        flags += ["--hicache-storage-backend", "file"]
+        # Our TTL disk tier (sglang_ext.storage_backend), one TTL for all pages as simulated.
+        disk = {
+            "backend_name": "hicache_ext_disk",
+            "module_path": "sglang_ext.storage_backend",
+            "class_name": "KaretoDiskStorage",
+            "interface_v1": 1,
+            "disk_dir": f"/mnt/{point.disk}",
+            "capacity_bytes": evaluation.result.disk_gb * 1e9,
+            "ttl_policy": "static",
+            "initial_ttl_s": point.ttl_s,
+        }
+        flags += [
+            "--hicache-storage-backend",
+            "dynamic",
+            "--hicache-storage-backend-extra-config",
+            json.dumps(disk, separators=(",", ":")),
+        ]
     return flags
 
 

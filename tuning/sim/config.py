@@ -9,6 +9,7 @@ from typing import Literal
 from tuning.cost import disk_type
 
 DiskPolicy = Literal["ttl", "lru"]
+PrefetchPolicy = Literal["best_effort", "timeout"]
 Routing = Literal["affinity", "round_robin"]
 
 
@@ -19,6 +20,12 @@ class DiskConfig:
     `capacity_gb=None` provisions the TTL policy's peak footprint on the trace (plus 10%
     headroom); an LRU disk needs an explicit capacity. Write-through copies that would wait more
     than `max_write_backlog_s` behind earlier I/O are dropped, as a bounded backup queue does.
+
+    Prefetch (SGLang's `--hicache-storage-prefetch-policy`): `best_effort` uses only the time a
+    request waits in the queue anyway; `timeout` (SGLang 0.5.23's default) holds a request until
+    its prefetch is done or `prefetch_timeout_base_s + prefetch_timeout_per_ki_token_s` x its
+    disk tokens / 1024 have passed, while other requests go ahead. Prefetches shorter than
+    `prefetch_threshold_tokens` are not started (SGLang's `prefetch_threshold`).
     """
 
     disk_type: str = "essd_pl1"
@@ -26,9 +33,24 @@ class DiskConfig:
     ttl_s: float = 600.0
     capacity_gb: float | None = None
     max_write_backlog_s: float = 2.0
+    prefetch_policy: PrefetchPolicy = "best_effort"
+    prefetch_timeout_base_s: float = 1.0
+    prefetch_timeout_per_ki_token_s: float = 0.25
+    prefetch_threshold_tokens: int = 256
 
     def __post_init__(self) -> None:
-        disk_type(self.disk_type)  # raises a clear error for an unknown type
+        disk_type(self.disk_type)
+        if self.prefetch_policy not in ("best_effort", "timeout"):
+            raise ValueError(
+                f"prefetch policy must be 'best_effort' or 'timeout', got {self.prefetch_policy!r}"
+            )
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be finite and >= 0")
+        if self.prefetch_threshold_tokens < 0:
+            raise ValueError(
+                "prefetch_threshold_tokens must be >= 0"
+            )  # raises a clear error for an unknown type
         if self.policy not in ("ttl", "lru"):
             raise ValueError(f"disk policy must be 'ttl' or 'lru', got {self.policy!r}")
         if not math.isfinite(self.ttl_s) or self.ttl_s < 0:

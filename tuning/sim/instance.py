@@ -8,9 +8,11 @@ context growth summed in closed form, so the cost is per event rather than per t
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from tuning.sim.config import DiskConfig
 from tuning.sim.disk import DiskTier
 from tuning.sim.lru import BlockLru
 from tuning.sim.profile import Profile
@@ -37,6 +39,7 @@ class Waiting:
     rid: int
     request: SimRequest
     prefetch: Prefetch | None
+    hold_until: float = 0.0  # `timeout` policy: not admitted before min(this, prefetch end)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Instance:
     dram: BlockLru
     disk: DiskTier | None
     stats: Stats
+    disk_config: DiskConfig | None = None
     queue: deque[Waiting] = field(default_factory=deque)
     running: list[Running] = field(default_factory=list)
     reserved_tokens: int = 0
@@ -94,10 +98,17 @@ class Instance:
                 if not self.disk.live(block, now):
                     break
                 blocks.append(block)
-            if blocks:
+            spec = self.disk_config or DiskConfig()
+            tokens = len(blocks) * self.profile.block_tokens
+            if blocks and tokens >= spec.prefetch_threshold_tokens:
                 per_block = self.disk.block_bytes / self.disk.channel.bytes_per_s
                 start, end = self.disk.channel.reserve(now, len(blocks) * self.disk.block_bytes)
                 prefetch = Prefetch(tuple(blocks), start, end, per_block)
+                if spec.prefetch_policy == "timeout":
+                    deadline = now + spec.prefetch_timeout_base_s
+                    deadline += spec.prefetch_timeout_per_ki_token_s * tokens / 1024
+                    self.queue.append(Waiting(rid, request, prefetch, min(end, deadline)))
+                    return
         self.queue.append(Waiting(rid, request, prefetch))
 
     def next_iteration(self, now: float, next_arrival: float) -> float | None:
@@ -108,13 +119,19 @@ class Instance:
             return now + self._prefill_s(batch)
         self.pending = None
         if not self.running:
-            return None
+            held = self._held_until(now)
+            if held is None or math.isinf(held):
+                return None
+            # Only requests held for their prefetch: wait for the first of them, or an arrival.
+            return min(held, next_arrival)
         batch_size = len(self.running)
         context = sum(r.context for r in self.running)
         steps = min(r.remaining for r in self.running)
-        if not self.queue and next_arrival > now:
-            # Stop decoding at the next arrival so that it can be prefilled promptly.
-            budget = next_arrival - now
+        held = self._held_until(now)
+        if held is not None and next_arrival > now:
+            # Stop decoding at the next arrival (or when a held request's prefetch is done) so
+            # that it can be prefilled promptly.
+            budget = min(next_arrival, held) - now
             steps = min(steps, self.profile.decode_steps_within(batch_size, context, budget))
         for r in self.running:
             r.remaining -= steps
@@ -136,12 +153,24 @@ class Instance:
                 self.reserved_tokens -= r.reserved
         self.running = still
 
+    def _held_until(self, now: float) -> float | None:
+        """When every queued request is held for its prefetch: the first release time
+        (inf for an empty queue); None when some request could be admitted now."""
+        times = [w.hold_until for w in self.queue]
+        if any(t <= now for t in times):
+            return None
+        return min(times, default=math.inf)
+
     def _admit(self, now: float) -> list[Admitted]:
         batch: list[Admitted] = []
         new_tokens = 0
         p = self.profile
+        held: list[Waiting] = []
         while self.queue and len(self.running) + len(batch) < p.max_running_requests:
             waiting = self.queue[0]
+            if waiting.hold_until > now:
+                held.append(self.queue.popleft())  # SGLang skips it; later requests go ahead
+                continue
             request = waiting.request
             need = request.input_tokens + request.output_tokens
             if self.reserved_tokens + need > p.running_kv_tokens and (self.running or batch):
@@ -155,6 +184,7 @@ class Instance:
             batch.append(admitted)
             new_tokens += request.input_tokens - cached
             self.reserved_tokens += need
+        self.queue.extendleft(reversed(held))
         return batch
 
     def _lookup(self, waiting: Waiting, now: float) -> Admitted:

@@ -8,7 +8,8 @@ on one H100-80GB-like GPU:
   (128 KiB) read -> 40 ns per token in the batch, plus a small per-sequence overhead;
 - KV: 128 KiB per token, 512-token blocks (64 MiB); of the ~56 GB left after weights and
   activations, 320k tokens hold running requests and 100k tokens keep unreferenced cached prefixes;
-- host -> GPU copies (DRAM hits, prefetched disk blocks) at 25 GB/s PCIe Gen5 effective.
+- host -> GPU copies (DRAM hits, prefetched disk blocks) at 25 GB/s PCIe Gen5 effective;
+- the disk tier's bandwidth comes from its disk type (`tuning.cost`) unless `disk_bytes_s` is set.
 Replace them with measured figures via `Profile.from_json` or `tuning.sim.calibrate`.
 """
 
@@ -38,6 +39,7 @@ class Profile:
     max_running_requests: int = 64
     max_prefill_tokens: int = 16_384
     host_to_gpu_bytes_s: float = 25e9
+    disk_bytes_s: float = 0.0  # measured disk-tier bandwidth; 0: the disk type's table value
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

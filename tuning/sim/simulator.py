@@ -45,7 +45,7 @@ def simulate(
         profile.prefix_cache_tokens // profile.block_tokens if config.gpu_prefix_cache else 0
     )
     instances = [
-        Instance(profile, BlockLru(cache_blocks), BlockLru(dram_blocks), disk, stats)
+        Instance(profile, BlockLru(cache_blocks), BlockLru(dram_blocks), disk, stats, config.disk)
         for _ in range(config.instances)
     ]
     targets = _route(requests, config)
@@ -127,7 +127,7 @@ def _build_disk(
     policy = TtlPolicy(TtlTable(spec.ttl_s)) if spec.policy == "ttl" else None
     tier = DiskTier(
         capacity_blocks=int(capacity_gb * GB // profile.block_bytes),
-        channel=IoChannel(kind.bandwidth_bytes_s(capacity_gb)),
+        channel=IoChannel(profile.disk_bytes_s or kind.bandwidth_bytes_s(capacity_gb)),
         block_bytes=profile.block_bytes,
         policy=policy,
         max_write_backlog_s=spec.max_write_backlog_s,
