@@ -20,7 +20,7 @@ pytestmark = pytest.mark.server
 
 
 def _conversations() -> list[SimRequest]:
-    """Three conversations of three turns behind one shared block; turns 2 s apart."""
+    """Three conversations of three turns behind one shared block."""
     requests = []
     for turn in range(3):
         for conv in range(3):
@@ -31,7 +31,8 @@ def _conversations() -> list[SimRequest]:
 
 
 def test_replay_hit_ratio_matches_the_simulator(smollm2_path: Path, tmp_path: Path) -> None:
-    scaled = scale_slice(_conversations(), SliceSpec(count=9, time_scale=1.0))
+    # Gaps long enough that each turn is cached before the next, even on a busy machine.
+    scaled = scale_slice(_conversations(), SliceSpec(count=9, time_scale=3.0))
     profile = Profile(kv_bytes_per_token=46080, block_tokens=16, prefix_cache_tokens=8192)
     gpu_only = DEPLOYMENTS[0]
     sim = simulate([r.as_sim_request() for r in scaled], gpu_only.sim_config(profile), profile)
