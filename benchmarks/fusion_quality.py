@@ -123,6 +123,20 @@ def summarise(rows: list[dict], table: dict[str, dict[str, object]]) -> dict[str
     return summary
 
 
+def _report(
+    rows: list[dict], table: dict[str, dict[str, object]], documents: int, summary: bool
+) -> dict:
+    report: dict = {
+        "benchmark": "fusion_quality",
+        "model": SMOLLM2,
+        "questions": len(rows),
+        "documents_per_prompt": documents,
+    }
+    if summary:
+        report["summary"] = summarise(rows, table)
+    return {**report, "rows": rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=100)
@@ -170,17 +184,16 @@ def main() -> int:
                 row[mode] = {"answer": answer, "ttft_s": ttft_s}
                 row["prompt_tokens"] = meta["prompt_tokens"]
             rows.append(row)
-            report = {
-                "benchmark": "fusion_quality",
-                "model": SMOLLM2,
-                "questions": len(rows),
-                "documents_per_prompt": args.documents,
-                "summary": summarise(rows, table),
-                "rows": rows,
-            }
+            # Embedding every answer again is O(questions^2): summarise every 10 questions and at
+            # the end; the rows are written after every question.
+            last = index + 1 == args.questions
+            report = _report(rows, table, args.documents, summary=last or len(rows) % 10 == 0)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=2) + "\n")
             print(f"[{index + 1}/{args.questions}] {row['prompt_tokens']} tokens", flush=True)
+    if report and "summary" not in report:
+        report = _report(rows, table, args.documents, summary=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     if not report:
         print("nothing left to measure")
         return 0
