@@ -34,6 +34,8 @@ from sglang_ext.metrics import embedding_similarity, f1_score  # noqa: E402
 
 SELECTORS = ("a3", "freq", "cacheblend", "epic", "random")
 RATIOS = (0.05, 0.15, 0.3)
+# A3 with the first tokens of each chunk put first in its budget (`fusion_sink_tokens`).
+SINK_VARIANTS = ((4, 0.15), (16, 0.15))
 SYSTEM = "Answer the question using the documents. Reply with a short phrase."
 
 
@@ -49,6 +51,13 @@ def modes() -> dict[str, dict[str, object]]:
                 "fusion_selector": selector,
                 "fusion_recompute_ratio": ratio,
             }
+    for sinks, ratio in SINK_VARIANTS:
+        table[f"a3+sink{sinks}@{ratio}"] = {
+            "fusion": True,
+            "fusion_selector": "a3",
+            "fusion_recompute_ratio": ratio,
+            "fusion_sink_tokens": sinks,
+        }
     return table
 
 
@@ -110,8 +119,10 @@ def summarise(rows: list[dict], table: dict[str, dict[str, object]]) -> dict[str
             "f1_gold": statistics.mean(
                 f1_score(a, r["gold"]) for a, r in zip(answers, rows, strict=True)
             ),
+            # A mode added on --resume is timed against the normal prefill of its own run.
             "ttft_ratio_median": statistics.median(
-                r[mode]["ttft_s"] / r["normal"]["ttft_s"] for r in rows
+                r[mode]["ttft_s"] / r[mode].get("normal_ttft_s", r["normal"]["ttft_s"])
+                for r in rows
             ),
         }
     reuse_sim = summary["reuse"]["embedding_similarity"]
@@ -148,7 +159,8 @@ def main() -> int:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the questions already in --out and measure only the others",
+        help="keep what --out holds; measure the questions and modes it lacks (modes added "
+        "since: the normal answer is measured again and must reproduce)",
     )
     args = parser.parse_args()
 
@@ -156,43 +168,69 @@ def main() -> int:
     table = modes()
     config = ServerConfig(model_path=str(model), port=free_port())
     rows: list[dict] = []
+    mismatches = 0
     if args.resume and args.out.exists():
         previous = json.loads(args.out.read_text())
         if previous.get("documents_per_prompt") != args.documents:
             raise SystemExit(f"{args.out}: measured with other --documents; cannot resume")
         rows = previous["rows"]
+        mismatches = previous.get("normal_answers_not_reproduced_on_resume", 0)
         print(f"resuming: {len(rows)} questions already measured", flush=True)
-    done = {row["qid"] for row in rows}
+    done = {row["qid"]: row for row in rows}
+    normal_ttft_s = 0.0
     report: dict = {}
     with running_server(
         config, log_path=Path(tempfile.mkdtemp(prefix="bench-fusion-quality-")) / "server.log"
     ):
         for index, example in enumerate(load_hotpotqa(args.questions, seed=2026)):
-            if example.qid in done:
+            previous_row = done.get(example.qid)
+            missing = [m for m in table if previous_row is None or m not in previous_row]
+            if not missing:
                 continue
             documents = documents_of(example, args.documents)
             register_documents(config.url, documents)
             shuffled = random.Random(example.qid).sample(documents, len(documents))
             prompt = chatml_prompt(shuffled, example.question)
-            row: dict = {"qid": example.qid, "gold": example.answer}
-            for mode, custom in table.items():
+            row: dict = previous_row or {"qid": example.qid, "gold": example.answer}
+            # Modes added to a measured question are compared with its stored normal answer, so
+            # that answer must reproduce (the server is deterministic for one request at a time).
+            to_measure = missing if previous_row is None else ["normal", *missing]
+            for mode in to_measure:
                 flush_cache(config.url)
-                answer, ttft_s, meta = stream_answer(config.url, prompt, custom, args.max_tokens)
+                answer, ttft_s, meta = stream_answer(
+                    config.url, prompt, table[mode], args.max_tokens
+                )
                 fusion = (meta.get("hicache_ext_fusion") or [None])[0]
                 if mode != "normal" and not (fusion and fusion["fused"]):
                     raise RuntimeError(f"question {example.qid}, {mode}: not fused ({meta})")
+                if mode == "normal" and previous_row is not None:
+                    mismatches += answer != row["normal"]["answer"]
+                    normal_ttft_s = ttft_s
+                    continue
                 row[mode] = {"answer": answer, "ttft_s": ttft_s}
+                if previous_row is not None:
+                    row[mode]["normal_ttft_s"] = normal_ttft_s
                 row["prompt_tokens"] = meta["prompt_tokens"]
-            rows.append(row)
+            if previous_row is None:
+                rows.append(row)
             # Embedding every answer again is O(questions^2): summarise every 10 questions and at
             # the end; the rows are written after every question.
             last = index + 1 == args.questions
-            report = _report(rows, table, args.documents, summary=last or len(rows) % 10 == 0)
+            complete = all(mode in r for r in rows for mode in table)
+            report = _report(
+                rows, table, args.documents, summary=complete and (last or len(rows) % 10 == 0)
+            )
+            report["normal_answers_not_reproduced_on_resume"] = mismatches
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=2) + "\n")
-            print(f"[{index + 1}/{args.questions}] {row['prompt_tokens']} tokens", flush=True)
+            print(
+                f"[{index + 1}/{args.questions}] {row['prompt_tokens']} tokens"
+                + (f", normal answers not reproduced so far: {mismatches}" if done else ""),
+                flush=True,
+            )
     if report and "summary" not in report:
         report = _report(rows, table, args.documents, summary=True)
+        report["normal_answers_not_reproduced_on_resume"] = mismatches
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     if not report:
         print("nothing left to measure")

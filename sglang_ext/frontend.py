@@ -56,13 +56,18 @@ class FusionRequest:
     selector: str = "a3"
     recompute_ratio: float = 0.15
     enabled: bool = True
+    # None: the server's default (setting fusion_sink_tokens).
+    sink_tokens: int | None = None
 
     def custom_params(self) -> dict[str, Any]:
-        return {
+        params: dict[str, Any] = {
             "fusion": self.enabled,
             "fusion_selector": self.selector,
             "fusion_recompute_ratio": self.recompute_ratio,
         }
+        if self.sink_tokens is not None:
+            params["fusion_sink_tokens"] = self.sink_tokens
+        return params
 
 
 class FusionEndpoint(sgl.RuntimeEndpoint):
@@ -78,11 +83,15 @@ class FusionEndpoint(sgl.RuntimeEndpoint):
 
     @contextmanager
     def fusion(
-        self, selector: str = "a3", recompute_ratio: float = 0.15, enabled: bool = True
+        self,
+        selector: str = "a3",
+        recompute_ratio: float = 0.15,
+        enabled: bool = True,
+        sink_tokens: int | None = None,
     ) -> Iterator[FusionRequest]:
         """Fusion options for the programs run inside the block."""
         previous = self.fusion_request
-        self.fusion_request = FusionRequest(selector, recompute_ratio, enabled)
+        self.fusion_request = FusionRequest(selector, recompute_ratio, enabled, sink_tokens)
         try:
             yield self.fusion_request
         finally:

@@ -1,7 +1,8 @@
 """Non-prefix chunk fusion inside SGLang's prefill.
 
 Per request, `sampling_params.custom_params` (flat keys, so they survive SGLang's IPC):
-  `fusion` (bool), `fusion_selector` (str), `fusion_recompute_ratio` (float in [0, 1]);
+  `fusion` (bool), `fusion_selector` (str), `fusion_recompute_ratio` (float in [0, 1]),
+  `fusion_sink_tokens` (int >= 0: the first tokens of each chunk go first in the budget);
 unset keys take the server defaults from the extension settings.
 
 At forward time (AROUND `ModelRunner._forward_raw`), an extend batch in which a request asks
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 ENABLE_KEY = "fusion"
 SELECTOR_KEY = "fusion_selector"
 RATIO_KEY = "fusion_recompute_ratio"
+SINK_KEY = "fusion_sink_tokens"
 META_KEY = "hicache_ext_fusion"
 
 
@@ -52,6 +54,7 @@ class FusionOptions:
     enabled: bool
     selector: str
     recompute_ratio: float
+    sink_tokens: int = 0
 
 
 def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOptions:
@@ -62,6 +65,7 @@ def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOpti
     enabled = params.get(ENABLE_KEY, defaults.fusion_by_default)
     selector = params.get(SELECTOR_KEY, defaults.fusion_selector)
     ratio = params.get(RATIO_KEY, defaults.fusion_recompute_ratio)
+    sink_tokens = params.get(SINK_KEY, defaults.fusion_sink_tokens)
     if not isinstance(enabled, bool):
         raise ValueError(f"custom_params.{ENABLE_KEY} must be true or false, got {enabled!r}")
     if selector not in SELECTORS:
@@ -70,7 +74,9 @@ def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOpti
         )
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
         raise ValueError(f"custom_params.{RATIO_KEY} must be a number in [0, 1], got {ratio!r}")
-    return FusionOptions(enabled, selector, float(ratio))
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"custom_params.{SINK_KEY} must be an integer >= 0, got {sink_tokens!r}")
+    return FusionOptions(enabled, selector, float(ratio), sink_tokens)
 
 
 class SGLangModelAdapter(ModelAdapter):
@@ -223,6 +229,7 @@ class _RequestPlan:
     ratio: float
     fused: bool
     chunks_hit: int = 0
+    sink_tokens: int = 0
 
 
 def _plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[_RequestPlan] | None:
@@ -255,6 +262,7 @@ def _plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[_RequestPlan] | N
                         options.recompute_ratio,
                         True,
                         hits,
+                        options.sink_tokens,
                     )
                     any_fused = True
                 else:
@@ -329,7 +337,7 @@ def _run_fused_batch(
     logits, infos = [], []
     offset = 0
     for plan in plans:
-        selector = make_selector(plan.selector, plan.ratio)
+        selector = make_selector(plan.selector, plan.ratio, sink_tokens=plan.sink_tokens)
         result = fused_prefill(adapter, plan.segments, selector, return_kv=True)
         assert result.kv is not None
         loc = out_cache_loc[offset : offset + plan.extend_len]
@@ -350,6 +358,7 @@ def _run_fused_batch(
             info.update(
                 selector=plan.selector,
                 recompute_ratio=plan.ratio,
+                sink_tokens=plan.sink_tokens,
                 chunks_hit=plan.chunks_hit,
                 chunk_tokens=result.num_chunk_tokens,
                 tokens_reused=reused,

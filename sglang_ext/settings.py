@@ -42,10 +42,12 @@ class ExtensionSettings:
     # Host memory for precomputed chunk KV (registered with POST /chunks), LRU beyond it.
     chunk_store_bytes: int = 2 * 1024**3
     # Server defaults of the per-request fusion options (custom_params fusion, fusion_selector,
-    # fusion_recompute_ratio).
+    # fusion_recompute_ratio, fusion_sink_tokens).
     fusion_by_default: bool = False
     fusion_selector: str = "a3"
     fusion_recompute_ratio: float = 0.15
+    # First tokens of each chunk put first in the recompute budget (0 = the papers' selectors).
+    fusion_sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         from sglang_ext.fusion.selectors import SELECTORS
@@ -60,6 +62,8 @@ class ExtensionSettings:
             raise SettingsError(
                 f"fusion_recompute_ratio = {self.fusion_recompute_ratio} must be in [0, 1]"
             )
+        if self.fusion_sink_tokens < 0:
+            raise SettingsError(f"fusion_sink_tokens = {self.fusion_sink_tokens} must be >= 0")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

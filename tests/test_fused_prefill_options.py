@@ -18,6 +18,16 @@ def test_defaults_and_overrides() -> None:
         True, "a3", 1.0
     )
     assert parse_options({"fusion_selector": "epic", "other_key": 3}, DEFAULTS).selector == "epic"
+    assert parse_options({"fusion_sink_tokens": 4}, DEFAULTS).sink_tokens == 4
+    with_sinks = ExtensionSettings(fusion_sink_tokens=2)
+    assert parse_options({"fusion": True}, with_sinks).sink_tokens == 2
+
+
+def test_frontend_sends_sink_tokens_only_when_set() -> None:
+    from sglang_ext.frontend import FusionRequest
+
+    assert "fusion_sink_tokens" not in FusionRequest().custom_params()  # server default applies
+    assert FusionRequest(sink_tokens=4).custom_params()["fusion_sink_tokens"] == 4
 
 
 @pytest.mark.parametrize(
@@ -27,6 +37,9 @@ def test_defaults_and_overrides() -> None:
         ({"fusion_recompute_ratio": True}, r"in \[0, 1\]"),
         ({"fusion_recompute_ratio": "0.1"}, r"in \[0, 1\]"),
         ({"fusion_selector": "nope"}, "is unknown"),
+        ({"fusion_sink_tokens": -1}, "integer >= 0"),
+        ({"fusion_sink_tokens": 1.5}, "integer >= 0"),
+        ({"fusion_sink_tokens": True}, "integer >= 0"),
         ({"fusion": 1}, "true or false"),
         ("not a dict", "must be an object"),
     ],

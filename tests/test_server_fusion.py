@@ -80,6 +80,24 @@ def test_selectors_reuse_chunk_kv(hicache_server, rag_prompts, selector: str, ra
     assert len(out["output_ids"]) == 12
 
 
+def test_sink_tokens_are_recomputed_first(hicache_server, rag_prompts) -> None:
+    # The option reaches the executor and is reported; which tokens it picks is tested in process
+    # (tests/test_fusion_selectors.py), and the budget stays round(ratio x chunk tokens).
+    out = _generate(
+        hicache_server.url,
+        rag_prompts[0],
+        fusion=True,
+        fusion_selector="a3",
+        fusion_recompute_ratio=0.05,
+        fusion_sink_tokens=4,
+    )
+    (info,) = out["meta_info"]["hicache_ext_fusion"]
+    assert info["sink_tokens"] == 4 and info["selector"] == "a3"
+    assert info["chunk_tokens"] - info["tokens_reused"] in range(
+        round(0.05 * info["chunk_tokens"]), round(0.05 * info["chunk_tokens"]) + 2
+    )
+
+
 def test_fused_kv_never_enters_the_prefix_tree(hicache_server, rag_prompts) -> None:
     url = hicache_server.url
     # A prompt no exact prefill has seen, so no tier (device, host, file) can hold it already.
@@ -108,6 +126,7 @@ def test_no_registered_chunk_falls_back_to_normal_prefill(hicache_server) -> Non
         ({"fusion_recompute_ratio": -0.1}, "must be a number in [0, 1]"),
         ({"fusion_selector": "magic"}, "is unknown"),
         ({"fusion": "yes"}, "must be true or false"),
+        ({"fusion_sink_tokens": -4}, "must be an integer >= 0"),
     ],
 )
 def test_bad_fusion_options_are_400(hicache_server, custom: dict, message: str) -> None:

@@ -43,6 +43,7 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
         ("cpu_compat = \n", "is not valid TOML"),
         ("chunk_store_bytes = 0\n", "chunk_store_bytes = 0 must be positive"),
         ("chunk_store_bytes = 1.5\n", "chunk_store_bytes = 1.5 should be of type int"),
+        ("fusion_sink_tokens = -1\n", "fusion_sink_tokens = -1 must be >= 0"),
     ],
 )
 def test_bad_files_name_the_problem(tmp_path: Path, content: str, message: str) -> None:
