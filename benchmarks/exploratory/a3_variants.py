@@ -9,7 +9,6 @@ Not part of the tests; kept so that the figures quoted in docs/fusion-sglang.md 
 from __future__ import annotations
 
 import json
-import random
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -20,14 +19,12 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from fusion_quality import chatml_prompt, documents_of  # noqa: E402
+from in_process import question_segments  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.chunks import ChunkRegistry  # noqa: E402
 from sglang_ext.datasets import load_hotpotqa  # noqa: E402
-from sglang_ext.fused_prefill import _segments  # noqa: E402
-from sglang_ext.fusion import chunk_hash, generate_greedy, make_selector, precompute_chunk  # noqa: E402
+from sglang_ext.fusion import generate_greedy, make_selector  # noqa: E402
 from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
 from sglang_ext.fusion.selectors import (  # noqa: E402
     A3Selector,
@@ -115,15 +112,7 @@ def main(questions: int) -> None:
     kl: dict[str, list[float]] = {mode: [] for mode in MODES}
     full_answers: list[str] = []
     for index, example in enumerate(load_hotpotqa(questions, seed=2026)):
-        documents = documents_of(example, 6)
-        shuffled = random.Random(example.qid).sample(documents, len(documents))
-        ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
-        registry = ChunkRegistry(2**31, adapter.rope_spec)
-        for document in documents:
-            tokens = tokenizer.encode(document, add_special_tokens=False)
-            registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
-            registry.index.add(chunk_hash(tokens), tokens)
-        segments, _ = _segments(registry, ids)
+        segments = question_segments(example, tokenizer, adapter)
         full = generate_greedy(adapter, segments, make_selector("full", 1.0), ANSWER_TOKENS)
         reference = full.first_logits.log_softmax(-1)
         full_answers.append(tokenizer.decode(full.token_ids, skip_special_tokens=True))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -34,14 +33,12 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from fusion_quality import chatml_prompt, documents_of  # noqa: E402
+from in_process import question_segments  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.chunks import ChunkRegistry  # noqa: E402
 from sglang_ext.datasets import load_hotpotqa  # noqa: E402
-from sglang_ext.fused_prefill import _segments  # noqa: E402
-from sglang_ext.fusion import chunk_hash, make_selector, precompute_chunk  # noqa: E402
+from sglang_ext.fusion import make_selector  # noqa: E402
 from sglang_ext.fusion.adapter import ModelAdapter  # noqa: E402
 from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
 from sglang_ext.fusion.executor import KVCache, decode_step, fused_prefill  # noqa: E402
@@ -144,15 +141,7 @@ def main() -> int:
         missing = [m for m in MODES if previous_row is None or m not in previous_row["modes"]]
         if not missing:
             continue
-        documents = documents_of(example, 6)
-        shuffled = random.Random(example.qid).sample(documents, len(documents))
-        ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
-        registry = ChunkRegistry(2**31, adapter.rope_spec)
-        for document in documents:
-            tokens = tokenizer.encode(document, add_special_tokens=False)
-            registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
-            registry.index.add(chunk_hash(tokens), tokens)
-        segments, _ = _segments(registry, ids)
+        segments = question_segments(example, tokenizer, adapter)
         full_answer, _, _ = _run(adapter, segments, make_selector("full", 1.0), stop, None)
         _, _, full_logits = _run(adapter, segments, make_selector("full", 1.0), stop, full_answer)
         row: dict = previous_row or {
