@@ -37,7 +37,7 @@ from sglang_ext.fusion.chunk import ModelShape, PrecomputedChunk
 from sglang_ext.fusion.executor import fused_prefill
 from sglang_ext.fusion.request import ChunkSegment, Segment, TextSegment
 from sglang_ext.fusion.rope import rope_spec_from_config
-from sglang_ext.fusion.selectors import SELECTORS, make_selector
+from sglang_ext.fusion.selectors import SELECTORS, Selector, make_selector
 from sglang_ext.settings import ExtensionSettings, load_settings
 
 logger = logging.getLogger(__name__)
@@ -225,11 +225,17 @@ class _RequestPlan:
     prefix_len: int
     extend_len: int
     segments: list[Segment]
-    selector: str
-    ratio: float
-    fused: bool
+    # The request's options when it is fused; None: computed in full (exact) by the executor.
+    fusion: FusionOptions | None = None
     chunks_hit: int = 0
-    sink_tokens: int = 0
+
+    def selector(self) -> Selector:
+        if self.fusion is None:
+            return make_selector("full", 1.0)
+        options = self.fusion
+        return make_selector(
+            options.selector, options.recompute_ratio, sink_tokens=options.sink_tokens
+        )
 
 
 def _plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[_RequestPlan] | None:
@@ -245,25 +251,13 @@ def _plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[_RequestPlan] | N
             return None
         options = _options_of(rt, req)
         tokens = list(req.origin_input_ids)
-        plan = _RequestPlan(
-            req, prefix_len, extend_len, [TextSegment(tuple(tokens))], "full", 1.0, False
-        )
+        plan = _RequestPlan(req, prefix_len, extend_len, [TextSegment(tuple(tokens))])
         if options is not None and options.enabled and registration_id(req) is None:
             reason = _fallback_reason(req, prefix_len, extend_len, len(tokens))
             if reason is None:
                 segments, hits = _segments(rt.registry, tokens)
                 if hits:
-                    plan = _RequestPlan(
-                        req,
-                        prefix_len,
-                        extend_len,
-                        segments,
-                        options.selector,
-                        options.recompute_ratio,
-                        True,
-                        hits,
-                        options.sink_tokens,
-                    )
+                    plan = _RequestPlan(req, prefix_len, extend_len, segments, options, hits)
                     any_fused = True
                 else:
                     reason = "no_chunk_matched"
@@ -337,8 +331,7 @@ def _run_fused_batch(
     logits, infos = [], []
     offset = 0
     for plan in plans:
-        selector = make_selector(plan.selector, plan.ratio, sink_tokens=plan.sink_tokens)
-        result = fused_prefill(adapter, plan.segments, selector, return_kv=True)
+        result = fused_prefill(adapter, plan.segments, plan.selector(), return_kv=True)
         assert result.kv is not None
         loc = out_cache_loc[offset : offset + plan.extend_len]
         for layer in range(adapter.shape.num_layers):
@@ -351,14 +344,14 @@ def _run_fused_batch(
             )
         offset += plan.extend_len
         logits.append(result.logits)
-        info = {"fused": plan.fused}
-        if plan.fused:
+        info: dict[str, Any] = {"fused": plan.fusion is not None}
+        if plan.fusion is not None:
             plan.req.skip_radix_cache_insert = True
             reused = result.num_chunk_tokens - int(result.selected.numel())
             info.update(
-                selector=plan.selector,
-                recompute_ratio=plan.ratio,
-                sink_tokens=plan.sink_tokens,
+                selector=plan.fusion.selector,
+                recompute_ratio=plan.fusion.recompute_ratio,
+                sink_tokens=plan.fusion.sink_tokens,
                 chunks_hit=plan.chunks_hit,
                 chunk_tokens=result.num_chunk_tokens,
                 tokens_reused=reused,

@@ -80,7 +80,7 @@ def test_selectors_reuse_chunk_kv(hicache_server, rag_prompts, selector: str, ra
     assert len(out["output_ids"]) == 12
 
 
-def test_sink_tokens_are_recomputed_first(hicache_server, rag_prompts) -> None:
+def test_sink_tokens_option_reaches_the_executor(hicache_server, rag_prompts) -> None:
     # The option reaches the executor and is reported; which tokens it picks is tested in process
     # (tests/test_fusion_selectors.py), and the budget stays round(ratio x chunk tokens).
     out = _generate(

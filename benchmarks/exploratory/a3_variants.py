@@ -31,24 +31,12 @@ from sglang_ext.fusion.selectors import (  # noqa: E402
     CacheBlendSelector,
     SelectionContext,
     Selector,
-    _require_state,
     _top,
 )
 from sglang_ext.metrics import embedding_similarity  # noqa: E402
 
 RATIO = 0.15
 ANSWER_TOKENS = 16
-
-
-def _question_attention(ctx: SelectionContext) -> torch.Tensor:
-    """Softmax attention [heads, question tokens, keys] at the check layer (A3's matrix)."""
-    state = _require_state(ctx, "a3")
-    question = torch.nonzero(ctx.layout.is_question).flatten()
-    q = state.queries[question].float()
-    k = state.keys.float().repeat_interleave(q.shape[1] // state.keys.shape[1], dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q, k) * state.scale
-    visible = torch.arange(k.shape[0])[None, None, :] <= question[None, :, None]
-    return logits.masked_fill(~visible, float("-inf")).softmax(-1)
 
 
 class A3QuestionOnly(A3Selector):
@@ -64,11 +52,7 @@ class A3HeadNormalised(A3Selector):
     """Each head's attention renormalised over chunk tokens: every head gets an equal vote."""
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        state = _require_state(ctx, "a3")
-        question = torch.nonzero(ctx.layout.is_question).flatten()
-        q = state.queries[question].float()
-        k = state.keys.float().repeat_interleave(q.shape[1] // state.keys.shape[1], dim=1)
-        logits = torch.einsum("qhd,khd->hqk", q, k) * state.scale
+        logits = self.question_logits(ctx)
         return logits[:, :, ctx.layout.chunk_positions].softmax(-1).sum(dim=(0, 1))
 
 
@@ -76,7 +60,8 @@ class A3MaxOverHeads(A3Selector):
     """The largest attention any head / question token gives a chunk token."""
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
-        return _question_attention(ctx).amax(dim=(0, 1))[ctx.layout.chunk_positions]
+        attention = self.question_logits(ctx).softmax(-1)
+        return attention.amax(dim=(0, 1))[ctx.layout.chunk_positions]
 
 
 class A3OrCacheBlend(A3Selector):

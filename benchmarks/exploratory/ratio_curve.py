@@ -91,11 +91,13 @@ def _run(
     stop: set[int],
     forced: Sequence[int] | None,
 ) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
-    """(greedy answer, first-token logits, logits along `forced`'s tokens)."""
+    """(greedy answer, first-token logits, logits along `forced`'s tokens).
+
+    Without `forced`, the logits along the greedy answer itself (what forcing it would give).
+    """
     prefill = fused_prefill(adapter, segments, selector, return_kv=True)
     assert prefill.kv is not None
-    answer, _ = _decode(adapter, prefill.kv, int(prefill.logits.argmax()), None, stop)
-    teacher: list[torch.Tensor] = []
+    answer, teacher = _decode(adapter, prefill.kv, int(prefill.logits.argmax()), None, stop)
     if forced is not None:
         _, teacher = _decode(adapter, prefill.kv, forced[0], forced, stop)
     return answer, prefill.logits, [prefill.logits, *teacher]
@@ -142,8 +144,9 @@ def main() -> int:
         if not missing:
             continue
         segments = question_segments(example, tokenizer, adapter)
-        full_answer, _, _ = _run(adapter, segments, make_selector("full", 1.0), stop, None)
-        _, _, full_logits = _run(adapter, segments, make_selector("full", 1.0), stop, full_answer)
+        full_answer, _, full_logits = _run(
+            adapter, segments, make_selector("full", 1.0), stop, None
+        )
         row: dict = previous_row or {
             "qid": example.qid,
             "full": tokenizer.decode(full_answer, skip_special_tokens=True).strip(),

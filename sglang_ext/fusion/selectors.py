@@ -172,9 +172,13 @@ class A3Selector(Selector):
     check_layer = 1
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
+        per_token = self.question_logits(ctx).softmax(dim=-1).sum(dim=(0, 1))
+        return per_token[ctx.layout.chunk_positions.to(per_token.device)]
+
+    def question_logits(self, ctx: SelectionContext) -> torch.Tensor:
+        """Scaled q.k [heads, question tokens, keys] at the check layer; -inf for later keys."""
         state = _require_state(ctx, self.name)
-        layout = ctx.layout
-        question = torch.nonzero(layout.is_question).flatten().to(state.queries.device)
+        question = torch.nonzero(ctx.layout.is_question).flatten().to(state.queries.device)
         if question.numel() == 0:
             raise ValueError("a3 needs question tokens (a TextSegment after the chunks)")
         q = state.queries[question].float()
@@ -184,9 +188,7 @@ class A3Selector(Selector):
         logits = torch.einsum("qhd,khd->hqk", q, k) * state.scale
         key_pos = torch.arange(k.shape[0], device=k.device)
         visible = key_pos[None, None, :] <= question[None, :, None]
-        probs = logits.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        per_token = probs.sum(dim=(0, 1))
-        return per_token[layout.chunk_positions.to(per_token.device)]
+        return logits.masked_fill(~visible, float("-inf"))
 
 
 class CacheBlendSelector(Selector):
