@@ -68,6 +68,8 @@ class ServerConfig:
             "0.3",
             "--page-size",
             str(self.page_size),
+            # An idle scheduler otherwise polls and holds a whole core of the two we have.
+            "--sleep-on-idle",
         ]
         if self.radix_cache_backend:
             cmd += ["--radix-cache-backend", self.radix_cache_backend]
