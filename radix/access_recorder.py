@@ -47,20 +47,29 @@ class AccessRecorder:
         self._min_share = min_share
         self._times: list[float] = []
         self._paths: list[tuple[str, ...]] = []
+        self._page_accesses = 0
 
     def record_request(self, time_s: float, pages: Sequence[str]) -> None:
         if self._times and time_s < self._times[-1]:
             raise ValueError(f"requests must arrive in time order: {time_s} < {self._times[-1]}")
+        path = tuple(pages)
         self._times.append(time_s)
-        self._paths.append(tuple(pages))
+        self._paths.append(path)
+        self._page_accesses += len(path)
 
     def forget_before(self, time_s: float) -> None:
         """Drop requests older than `time_s` (bounded memory for a sliding window)."""
         cut = bisect.bisect_left(self._times, time_s)
+        self._page_accesses -= sum(len(path) for path in self._paths[:cut])
         del self._times[:cut], self._paths[:cut]
 
     def __len__(self) -> int:
         return len(self._times)
+
+    @property
+    def page_accesses(self) -> int:
+        """Page accesses of the recorded requests (the sum of their path lengths)."""
+        return self._page_accesses
 
     def requests(self) -> list[tuple[float, tuple[str, ...]]]:
         """The recorded requests, oldest first (a copy)."""

@@ -57,13 +57,21 @@ def controller_class(base: type) -> type:
             ) -> bool:
                 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
-                online = self.storage_backend.online
-                prefix = list(getattr(extra_info, "prefix_keys", None) or [])
-                groups = online.groups_of(prefix + list(hash_values))[len(prefix) :]
-                info = PageWriteInfo(tuple(groups), tuple(online.ttl_of(g) for g in groups))
-                if extra_info is None:
-                    extra_info = HiCacheStorageExtraInfo()
-                extra_info.extra_info = {**(extra_info.extra_info or {}), WRITE_INFO_KEY: info}
+                try:
+                    online = self.storage_backend.online
+                    prefix = list(getattr(extra_info, "prefix_keys", None) or [])
+                    groups = online.groups_of(prefix + list(hash_values))[len(prefix) :]
+                    info = PageWriteInfo(tuple(groups), tuple(online.ttl_of(g) for g in groups))
+                    if extra_info is None:
+                        extra_info = HiCacheStorageExtraInfo()
+                    extra_info.extra_info = {
+                        **(extra_info.extra_info or {}),
+                        WRITE_INFO_KEY: info,
+                    }
+                except Exception:
+                    # This runs in the controller's backup thread: write without our groups
+                    # (the backend derives them, counted as writes_without_groups).
+                    logger.exception("hicache_ext: grouping a storage write failed")
                 return super()._page_set_zero_copy(hash_values, host_indices, extra_info)
 
             def refresh_ttls(self, pages: list[str], groups: list[str]) -> int:

@@ -125,6 +125,7 @@ def test_restart_rebuilds_index_and_keeps_ttl(tmp_path: Path) -> None:
     clock.now = 1_008.0
     store.get("a")  # last access 1008 persisted in the file's mtime
     size_a = store.info("a").size_bytes
+    store.close()  # one open store per folder: the restart takes it over
     clock.now = 1_015.0  # b (written 1000) expired, a (read 1008) live until 1018
     reopened = make_store(tmp_path, clock=clock, default=10.0)
     assert reopened.stats().used_bytes == size_a and reopened.stats().expired == 1
@@ -245,6 +246,7 @@ def test_touch_persists_last_access_across_restart(tmp_path: Path) -> None:
     assert store.put("a" * 64, b"page")
     clock.now = 1_008.0
     store.touch(["a" * 64])
+    store.close()
     clock.now = 1_015.0  # past the write's expiry (1010), within the touch's (1018)
     reopened = make_store(tmp_path, clock=clock, default=10.0)
     assert reopened.get("a" * 64) == b"page"

@@ -12,6 +12,11 @@
 - Readers pin an entry: neither expiry nor eviction deletes it until the last reader is done.
 - After a restart, a page's expiry is recomputed from its last access (the file's mtime, which
   every read refreshes) and the TTL table of the new process.
+- Ownership: one open store per root, in one process at a time (`tiers.dir_lock`): opening must
+  delete stray temp files, which would otherwise be another store's writes in flight.
+- Faults: OS errors never escape `put`/`get`/`touch`/`purge_expired` (False / miss / 0, logged,
+  counted); only invalid arguments (an empty key, a negative TTL) raise `ValueError`: those are
+  the caller's bugs and are refused before anything is touched.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from radix.groups import RESIDUAL_GROUP
+from tiers.dir_lock import DirectoryLock
 from tiers.page_file import (
     PAGE_SUFFIX,
     TEMP_SUFFIX,
@@ -45,6 +51,8 @@ from tiers.page_file import (
 from tiers.ttl_policy import TtlPolicy
 
 logger = logging.getLogger(__name__)
+
+STORE_LOCK_NAME = "store.lock"  # in the root, beside `pages/`
 
 
 @dataclass(frozen=True)
@@ -68,10 +76,11 @@ class DiskStoreStats:
     expired: int
     evicted: int
     rejected_writes: int  # no room even after eviction (e.g. everything pinned) or page too big
-    write_errors: int  # OS errors while writing (full disk, I/O error)
+    write_errors: int  # OS errors while writing (full disk, I/O error); the put returned False
     corrupt_pages: int  # failed a checksum / length / key check, removed, never served
     removed_temp_files: int  # partial writes found on open
     refreshes: int  # TTL refreshes without a read (`touch`)
+    io_errors: int  # other OS errors: listing, stat, delete, read (the page is dropped)
 
 
 class _Entry:
@@ -135,11 +144,18 @@ class DiskStore:
                 "corrupt_pages",
                 "removed_temp_files",
                 "refreshes",
+                "io_errors",
             ),
             0,
         )
+        self._closed = False
         self.root.mkdir(parents=True, exist_ok=True)
-        self._rebuild_index()
+        self._dir_lock = DirectoryLock(self.root, STORE_LOCK_NAME)  # raises if held elsewhere
+        try:
+            self._rebuild_index()
+        except BaseException:
+            self._dir_lock.release()
+            raise
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -150,7 +166,14 @@ class DiskStore:
 
         `ttl_s` (the writer's TTL for this page, e.g. from the same policy at the time it
         decided) sets this write's expiry; later accesses refresh it from the policy.
-        A failed write never disturbs what is already stored under `key`.
+
+        Never raises for storage faults. A write that fails before its rename (mkdir, temp
+        write, fsync, rename) leaves what is stored under `key` untouched. One that fails after
+        it (the directory fsync, so the new name may not survive a crash) returns False and
+        leaves *no* page under `key`: the rename has already replaced the old file, and the new
+        one is removed rather than indexed on a write the caller was told failed; a miss is
+        always correct for a cache. Invalid arguments (empty key, bad TTL) raise `ValueError`
+        before anything is touched: they are the caller's bugs, not storage faults.
         """
         _check_key(key)
         if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s >= 0):
@@ -162,13 +185,18 @@ class DiskStore:
         size = len(header) + len(payload)
         path = self._path_of(key)
         with self._lock:
+            if self._closed:
+                self._counts["rejected_writes"] += 1
+                logger.warning("disk store %s is closed: rejected page %s", self.root, key)
+                return False
             if not self._make_room(size):
                 self._counts["rejected_writes"] += 1
                 logger.warning("disk store full: rejected %d-byte page %s", size, key)
                 return False
             self._reserved += size
         try:
-            path.parent.mkdir(exist_ok=True)
+            # parents=True: a pages folder removed under a running store comes back.
+            path.parent.mkdir(parents=True, exist_ok=True)
             temp = write_temp(path, header, payload, mtime=now)
         except OSError as error:
             with self._lock:
@@ -179,6 +207,13 @@ class DiskStore:
         with self._lock:
             # Rename under the lock: the index and the file behind a name must change together.
             self._reserved -= size
+            if self._closed:  # the directory may have a new owner: do not publish into it
+                self._counts["rejected_writes"] += 1
+                self._unlink(temp)
+                logger.warning(
+                    "disk store %s closed during a write: page %s dropped", self.root, key
+                )
+                return False
             try:
                 commit(temp, path)
             except OSError as error:
@@ -192,7 +227,17 @@ class DiskStore:
             self._entries[key] = entry
             self._used += size
             self._set_expiry(entry, now, expiry)
-        fsync_directory(path.parent)  # the rename is durable before put returns
+        try:
+            fsync_directory(path.parent)  # the rename is durable before put returns True
+        except OSError as error:
+            with self._lock:
+                self._counts["write_errors"] += 1
+                # Un-index and delete it, unless a later put of the same key replaced it
+                # meanwhile (then that file is not ours); a reader in flight defers the delete.
+                entry.doomed = True
+                self._release_if_doomed(entry)
+            logger.error("disk store: syncing the folder of page %s failed: %s", key, error)
+            return False
         return True
 
     def get(self, key: str) -> bytes | None:
@@ -213,7 +258,8 @@ class DiskStore:
             logger.error("disk store: dropping unreadable page %s: %s", key, error)
             with self._lock:
                 entry.readers -= 1
-                self._counts["corrupt_pages"] += 1
+                # OSError: gone (folder removed under us) or an I/O error; either way a miss.
+                self._counts["io_errors" if isinstance(error, OSError) else "corrupt_pages"] += 1
                 self._counts["misses"] += 1
                 entry.doomed = True
                 self._release_if_doomed(entry)
@@ -319,11 +365,29 @@ class DiskStore:
         """Bytes of all files under the store, temp files included (a consistent snapshot)."""
         total = 0
         with self._lock:
-            for path in self._pages_dir().rglob("*"):
+            for path in self._files_under(self._pages_dir()):
                 # A failed write removes its temp file without the lock: tolerate that race.
                 with contextlib.suppress(FileNotFoundError):
-                    total += path.stat().st_size if path.is_file() else 0
+                    total += path.stat().st_size
         return total
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop writing and give the root up (idempotent). Reads of indexed pages still work
+        (checksummed, so never corrupt); writes return False, and nothing is deleted any more:
+        the folder may have a new owner."""
+        with self._lock:
+            self._closed = True
+        self._dir_lock.release()
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -384,29 +448,55 @@ class DiskStore:
             return 0
         del self._entries[entry.key]
         self._used -= entry.size
-        try:
-            entry.path.unlink(missing_ok=True)
-        except OSError as error:
-            logger.error("disk store: could not delete %s: %s", entry.path, error)
+        if not self._closed:  # after close the folder may belong to another store
+            self._unlink(entry.path)
         return 1
 
+    def _unlink(self, path: Path) -> None:
+        """Delete a file; an OS error is logged and counted (the file stays, unindexed)."""
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            self._counts["io_errors"] += 1
+            logger.error("disk store: could not delete %s: %s", path, error)
+
+    def _files_under(self, directory: Path) -> list[Path]:
+        """Every file below `directory`, sorted; folders that vanish or cannot be listed are
+        logged and counted, not raised (rglob would raise for a folder removed mid-walk)."""
+
+        def unlisted(error: OSError) -> None:
+            self._counts["io_errors"] += 1
+            logger.error("disk store: cannot list %s: %s", error.filename, error)
+
+        return sorted(
+            Path(folder) / name
+            for folder, _, names in os.walk(directory, onerror=unlisted)
+            for name in names
+        )
+
     def _rebuild_index(self) -> None:
+        """Index the files of the folder (we hold its lock, so every temp file is stray).
+        Per-file OS errors are counted and the file skipped: one bad file never stops a start."""
         pages_dir = self._pages_dir()
         pages_dir.mkdir(exist_ok=True)
         now = self._clock()
-        for path in sorted(pages_dir.rglob("*")):
-            if path.is_dir():
-                continue
+        for path in self._files_under(pages_dir):
             if path.name.endswith(TEMP_SUFFIX):
                 self._counts["removed_temp_files"] += 1
                 logger.warning("disk store: removing partial write %s", path)
-                path.unlink(missing_ok=True)
+                self._unlink(path)
                 continue
             header = self._checked_header(path)
             if header is None:
                 continue
+            try:
+                mtime = path.stat().st_mtime
+            except OSError as error:
+                self._counts["io_errors"] += 1
+                logger.error("disk store: skipping %s: %s", path, error)
+                continue
             entry = _Entry(header.key, header.group, header.file_len, header.write_time, path)
-            entry.last_access = max(header.write_time, path.stat().st_mtime)
+            entry.last_access = max(header.write_time, mtime)
             self._entries[header.key] = entry
             self._used += entry.size
             self._set_expiry(entry, entry.last_access)
@@ -415,7 +505,11 @@ class DiskStore:
                 entry.doomed = True
                 self._release_if_doomed(entry)
         self._make_room(0)  # capacity may have shrunk since the last run
-        fsync_directory(pages_dir)
+        try:
+            fsync_directory(pages_dir)  # make the removals above durable
+        except OSError as error:
+            self._counts["io_errors"] += 1
+            logger.error("disk store: syncing %s failed: %s", pages_dir, error)
         logger.info("disk store %s: %d pages, %d bytes", self.root, len(self._entries), self._used)
 
     def _checked_header(self, path: Path) -> PageHeader | None:
@@ -424,9 +518,9 @@ class DiskStore:
             if self._path_of(header.key) != path:
                 raise CorruptPageError(f"{path}: file name does not match key {header.key!r}")
         except (CorruptPageError, OSError) as error:
-            self._counts["corrupt_pages"] += 1
-            logger.error("disk store: removing corrupt page file %s: %s", path, error)
-            path.unlink(missing_ok=True)
+            self._counts["io_errors" if isinstance(error, OSError) else "corrupt_pages"] += 1
+            logger.error("disk store: removing unreadable page file %s: %s", path, error)
+            self._unlink(path)
             return None
         return header
 

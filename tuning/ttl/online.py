@@ -3,7 +3,8 @@
 The live counterpart of `tuning.ttl.replay --online`: each period's TTLs come only from the
 accesses of a sliding window before it (same planners, same `TtlPolicy`). Planning runs in a
 daemon thread on a snapshot of the window, so recording (called from the scheduler) never waits
-for the optimiser.
+for the optimiser. `history()` / `restore()` carry the window, the page size and the last plan
+across a restart (`tuning.ttl.history_file` puts them on disk).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from radix.access_recorder import AccessRecorder
-from radix.groups import SubtreeGrouping
+from radix.groups import RESIDUAL_GROUP, SubtreeGrouping
 from tiers.ttl_policy import TtlPolicy, TtlTable
 from tuning.ttl.budget import average_pages
+from tuning.ttl.history_file import SavedPlan, TtlHistory
 from tuning.ttl.planner import (
     FixedTtlPlanner,
     GroupTtlPlanner,
@@ -72,6 +74,14 @@ class OnlineTtlConfig:
         return StaticTtlPlanner(self.initial_table())
 
 
+class RestoredHistory(NamedTuple):
+    """What `OnlineTtl.restore` took from a saved history."""
+
+    requests: int
+    page_accesses: int
+    plan_restored: bool  # the saved plan's TTLs and grouping are in force until the next plan
+
+
 class PlanRecord(NamedTuple):
     at_s: float
     window: tuple[float, float]
@@ -98,9 +108,15 @@ class OnlineTtl:
         self._recorder = AccessRecorder()
         self._grouping = SubtreeGrouping()
         self._bytes_per_page = 0
-        self._started_s = clock()
-        self._next_plan_s = self._started_s + config.period_s
+        self._page_bytes_measured = False  # a restored size gives way to the first measured one
+        started_s = clock()
+        self._window_start_s = started_s  # plans never look back before this (moved by restore)
+        self._next_plan_s = started_s + config.period_s
         self._plans: list[PlanRecord] = []
+        self._last_plan: SavedPlan | None = None
+        self._restored_plan_at_s: float | None = None
+        self._changes = 0  # requests recorded + plans made: tells a saver whether to save again
+        self._record_errors = 0
         self._hits: dict[tuple[str, str], int] = defaultdict(int)  # (tier, group) -> pages
         self._accesses: dict[str, int] = defaultdict(int)  # group -> pages
         self._stop = threading.Event()
@@ -112,7 +128,25 @@ class OnlineTtl:
 
     def record(self, pages: Sequence[str], device_pages: int = 0, host_pages: int = 0) -> list[str]:
         """One request's page path; the first `device_pages` hit the device, the next
-        `host_pages` the host. Returns the group of every page."""
+        `host_pages` the host. Returns the group of every page.
+
+        Called from the scheduler thread: an unexpected error is logged and counted, and the
+        pages are then treated as residual (never an exception into SGLang)."""
+        try:
+            return self._record(pages, device_pages, host_pages)
+        except Exception:
+            with self._lock:
+                self._record_errors += 1
+                first = self._record_errors == 1
+            if first:
+                logger.exception("hicache_ext: recording an access failed (pages: residual)")
+            else:
+                logger.error(
+                    "hicache_ext: recording an access failed (%d so far)", self._record_errors
+                )
+            return [RESIDUAL_GROUP] * len(pages)
+
+    def _record(self, pages: Sequence[str], device_pages: int, host_pages: int) -> list[str]:
         now = self._clock()
         with self._lock:
             # Requests reach the scheduler in arrival order, but clocks can step back.
@@ -120,6 +154,7 @@ class OnlineTtl:
                 now = self._last_time
             self._last_time = now
             self._recorder.record_request(now, pages)
+            self._changes += 1
             groups = self._grouping.groups_of_path(pages)
             for index, group in enumerate(groups):
                 self._accesses[group] += 1
@@ -144,7 +179,10 @@ class OnlineTtl:
     def set_page_bytes(self, size: int) -> None:
         """Bytes of one stored page (known once the first page is written)."""
         with self._lock:
-            self._bytes_per_page = max(self._bytes_per_page, int(size))
+            if self._page_bytes_measured:
+                self._bytes_per_page = max(self._bytes_per_page, int(size))
+            else:  # replaces a size restored from before a restart (the model may differ)
+                self._bytes_per_page, self._page_bytes_measured = int(size), True
 
     # -- planning --------------------------------------------------------------------------
 
@@ -155,8 +193,11 @@ class OnlineTtl:
         self._thread = threading.Thread(target=self._run, name="hicache-ext-ttl", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop planning; waits up to `timeout_s` for a plan in progress."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     def replan(self, now: float | None = None) -> PlanRecord | None:
         """Plan the next period from the window before `now` and publish it.
@@ -164,7 +205,7 @@ class OnlineTtl:
         None when there is nothing to plan from yet (no access, or page size unknown).
         """
         now = self._clock() if now is None else now
-        start = max(self._started_s, now - self.config.window_s)
+        start = max(self._window_start_s, now - self.config.window_s)
         with self._lock:
             self._recorder.forget_before(start)
             if not len(self._recorder) or self._bytes_per_page == 0:
@@ -187,6 +228,8 @@ class OnlineTtl:
             self.policy.update(planned.table)
             self._grouping = planned.grouping
             self._plans.append(record)
+            self._last_plan = SavedPlan(now, planned.table, planned.grouping)
+            self._changes += 1
         logger.info(
             "hicache_ext TTLs for the next %.0f s (%s, %d subtree groups, planned in %.2f s): %s;"
             " hit ratio so far per tier: %s",
@@ -208,6 +251,71 @@ class OnlineTtl:
             except Exception as error:  # keep the last published TTLs; report why
                 self._plan_error = f"{type(error).__name__}: {error}"
                 logger.exception("hicache_ext TTL planning failed; keeping the current TTLs")
+
+    # -- restart -----------------------------------------------------------------------------
+
+    @property
+    def changes(self) -> int:
+        """Grows with every recorded request and plan (a saver saves only when it moved)."""
+        with self._lock:
+            return self._changes
+
+    def history(self) -> TtlHistory:
+        """What a restarted server needs to plan as if it had not stopped: the requests of the
+        window (older ones are forgotten now), the page size, the last plan."""
+        now = self._clock()
+        with self._lock:
+            start = max(self._window_start_s, now - self.config.window_s)
+            self._recorder.forget_before(start)
+            return TtlHistory(
+                saved_at_s=now,
+                policy=self.config.policy,
+                window_start_s=start,
+                bytes_per_page=self._bytes_per_page,
+                requests=tuple(self._recorder.requests()),
+                plan=self._last_plan,
+            )
+
+    def restore(self, history: TtlHistory) -> RestoredHistory:
+        """Take over a saved history; call before the first `record`.
+
+        Requests older than this config's window are dropped. The saved plan is put back in
+        force (until the next plan, TTLs capped at `max_ttl_s`) only when it was made by the same
+        policy, is not `static` (its table is the config's), and lies within the window: an
+        older plan reflects accesses the next plan will not see either.
+        """
+        now = self._clock()
+        start = max(history.window_start_s, now - self.config.window_s)
+        kept = [(time_s, path) for time_s, path in history.requests if time_s >= start]
+        plan = history.plan
+        plan_usable = (
+            plan is not None
+            and history.policy == self.config.policy
+            and self.config.policy != "static"
+            and now - plan.at_s <= self.config.window_s
+        )
+        with self._lock:
+            if len(self._recorder):
+                raise ValueError("restore() must come before the first recorded request")
+            for time_s, path in kept:
+                self._recorder.record_request(time_s, path)
+            if kept:
+                self._last_time = kept[-1][0]
+                self._window_start_s = min(self._window_start_s, start)
+            if history.bytes_per_page and not self._page_bytes_measured:
+                self._bytes_per_page = history.bytes_per_page
+            if plan is not None and plan_usable:
+                cap = self.config.max_ttl_s
+                table = TtlTable(
+                    min(plan.table.default_ttl, cap),
+                    {group: min(ttl, cap) for group, ttl in plan.table.ttls.items()},
+                )
+                self.policy.update(table)
+                self._grouping = plan.grouping
+                self._last_plan = SavedPlan(plan.at_s, table, plan.grouping)
+                self._restored_plan_at_s = plan.at_s
+            page_accesses = self._recorder.page_accesses
+        return RestoredHistory(len(kept), page_accesses, plan_usable)
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -242,6 +350,10 @@ class OnlineTtl:
                 if self.config.policy == "static"
                 else max(0.0, self._next_plan_s - self._clock()),
                 "page_accesses": dict(self._accesses),
+                "window_requests": len(self._recorder),
+                "window_page_accesses": self._recorder.page_accesses,
+                "restored_plan_at_s": self._restored_plan_at_s,
+                "record_errors": self._record_errors,
                 "hit_ratio": overall,
                 "hit_ratio_by_group": hit_ratio,
             }
