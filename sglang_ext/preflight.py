@@ -44,7 +44,7 @@ def check_disk_tier(server_args: Any) -> None:
     if extra.get("module_path") != storage_backend.MODULE_PATH:
         return
     try:
-        storage_backend.DiskTierOptions.from_extra_config(extra)
+        options = storage_backend.DiskTierOptions.from_extra_config(extra)
     except (TypeError, ValueError) as err:
         raise PreflightError(str(err)) from err
     if server_args.radix_cache_backend != "hicache_ext":
@@ -52,6 +52,20 @@ def check_disk_tier(server_args: Any) -> None:
             f"{storage_backend.BACKEND_NAME} needs --radix-cache-backend hicache_ext "
             "(the tree records page accesses and the controller passes groups and TTLs)"
         )
+    # Claimed here, held by this (launching) process for its lifetime: a second server on the
+    # same folder stops now, in one line, instead of in its scheduler after loading the model.
+    from tiers.dir_lock import DirectoryLockedError
+
+    try:
+        storage_backend.hold_disk_dir(options.disk_dir)
+    except DirectoryLockedError as err:
+        holder = f"process {err.holder_pid}" if err.holder_pid is not None else "another process"
+        raise PreflightError(
+            f"disk_dir {err.directory} is in use by another server ({holder}); stop it or "
+            "give this server another disk_dir"
+        ) from err
+    except OSError as err:
+        raise PreflightError(f"disk_dir {options.disk_dir}: cannot claim it ({err})") from err
 
 
 def _read_extra_config(raw: str) -> dict[str, Any]:
