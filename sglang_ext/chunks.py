@@ -10,6 +10,7 @@ token ids. The chunk index learns the token sequence so later prompts can find i
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from typing import Any
 
@@ -25,6 +26,13 @@ logger = logging.getLogger(__name__)
 
 REGISTER_PARAM = "hicache_ext_register_chunk"
 CONTROL_PREFIX = "hicache_ext."
+
+# Set by `POST /chunks` around its own prefill request. A request carrying REGISTER_PARAM
+# without it came from a client (`/generate`, `/v1/completions`, ...) and is refused: only the
+# route checks the body's size, the tokens and the rate, and only the route's auth applies.
+registering_chunk: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hicache_ext_registering_chunk", default=False
+)
 
 
 def registration_id(req: Any) -> str | None:
@@ -43,6 +51,8 @@ class ChunkRegistry:
         self._rope = rope
         self._alpha = alpha
         self.failed_captures = 0
+        # Bumped whenever the set of registered chunks changes (admission caches its matches).
+        self.generation = 0
 
     def capture(
         self, chunk_id: str, token_ids: list[int], kv_pool: Any, slots: torch.Tensor
@@ -83,6 +93,7 @@ class ChunkRegistry:
             self.index.remove(old)
         if len(token_ids) >= self.index.anchor_tokens:
             self.index.add(chunk_id, token_ids)
+        self.generation += 1
         logger.info(
             "chunk %s registered: %d tokens, %d bytes", chunk_id[:12], len(token_ids), chunk.nbytes
         )
@@ -122,6 +133,7 @@ class ChunkRegistry:
             raise RuntimeError(f"chunk {chunk_id[:12]} is in use by a running request; retry later")
         if chunk_id in self.index:
             self.index.remove(chunk_id)
+        self.generation += 1
         return True
 
     def stats(self) -> dict[str, Any]:

@@ -5,18 +5,21 @@ Per request, `sampling_params.custom_params` (flat keys, so they survive SGLang'
   `fusion_sink_tokens` (int >= 0: the first tokens of each chunk go first in the budget);
 unset keys take the server defaults from the extension settings.
 
-At forward time (AROUND `ModelRunner._forward_raw`), an extend batch in which a request asks
-for fusion and its prompt contains registered chunks runs through the fusion executor instead
-of the model's forward: chunk tokens reuse the stored KV (RoPE re-applied at their global
-positions) except the selected fraction, other tokens are computed, the resulting K/V are
-written to the request's KV slots, and decode then proceeds in SGLang unchanged. Other
-requests of the same batch are computed in full by the same executor (exact), so mixed
-batches work. Fused KV is approximate, so a fused request never inserts into the prefix tree
-(`skip_radix_cache_insert`): a later request must not inherit KV that its token ids alone do
-not determine.
+At forward time (AROUND `ModelRunner._forward_raw`), an extend batch in which every request is
+fused runs through the fusion executor instead of the model's forward: chunk tokens reuse the
+stored KV (RoPE re-applied at their global positions) except the selected fraction, other tokens
+are computed, the resulting K/V are written to exactly the KV slots SGLang allocated for the
+round, and decode then proceeds in SGLang unchanged. Fused KV is approximate, so a fused request
+never inserts into the prefix tree (`skip_radix_cache_insert`): a later request must not inherit
+KV that its token ids alone do not determine.
 
-A request falls back to the normal prefill, logged and counted, when its prompt arrives in
-several chunked-prefill rounds, when it asks for input logprobs, or when no chunk matches.
+A batch is fused only when *all* its requests are: any other request (no fusion asked, a prompt
+split across chunked-prefill rounds, logprobs asked, ...) is computed by SGLang's own forward,
+which alone produces what it may need (input logprobs, hidden states). To keep such mixed batches
+rare, admission (AROUND `PrefillAdder.add_one_req`) keeps requests that will be fused and requests
+that will not in separate batches, as SGLang itself does for pooling modes. A request that asked
+for fusion and gets the normal prefill is logged, counted and reported in its response
+(`meta_info.hicache_ext_fusion[i].fallback`).
 """
 
 from __future__ import annotations
@@ -31,14 +34,13 @@ from typing import Any
 
 import torch
 
-from sglang_ext.chunks import ChunkRegistry, registration_id
-from sglang_ext.fusion.adapter import AttentionInputs, ModelAdapter
-from sglang_ext.fusion.chunk import ModelShape, PrecomputedChunk
+from sglang_ext.chunks import REGISTER_PARAM, ChunkRegistry, registering_chunk, registration_id
+from sglang_ext.fusion.chunk import PrecomputedChunk
 from sglang_ext.fusion.executor import fused_prefill
 from sglang_ext.fusion.request import ChunkSegment, Segment, TextSegment
-from sglang_ext.fusion.rope import rope_spec_from_config
 from sglang_ext.fusion.selectors import SELECTORS, Selector, make_selector
 from sglang_ext.settings import ExtensionSettings, load_settings
+from sglang_ext.sglang_model_adapter import SGLangModelAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +60,11 @@ class FusionOptions:
 
 
 def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOptions:
-    """Options of one request; ValueError (HTTP 400) for malformed ones."""
-    params = custom_params or {}
+    """Options of one request; ValueError (HTTP 400) for malformed ones.
+
+    Types are checked before values: a list or object where a string is expected must be a
+    400, not an unhashable-type error in the membership test (a 500)."""
+    params = {} if custom_params is None else custom_params
     if not isinstance(params, dict):
         raise ValueError("sampling_params.custom_params must be an object")
     enabled = params.get(ENABLE_KEY, defaults.fusion_by_default)
@@ -67,72 +72,30 @@ def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOpti
     ratio = params.get(RATIO_KEY, defaults.fusion_recompute_ratio)
     sink_tokens = params.get(SINK_KEY, defaults.fusion_sink_tokens)
     if not isinstance(enabled, bool):
-        raise ValueError(f"custom_params.{ENABLE_KEY} must be true or false, got {enabled!r}")
-    if selector not in SELECTORS:
+        raise ValueError(f"custom_params.{ENABLE_KEY} must be true or false, got {_short(enabled)}")
+    if not isinstance(selector, str) or selector not in SELECTORS:
         raise ValueError(
-            f"custom_params.{SELECTOR_KEY} = {selector!r} is unknown; choose from {sorted(SELECTORS)}"
+            f"custom_params.{SELECTOR_KEY} = {_short(selector)} is unknown; choose from {sorted(SELECTORS)}"
         )
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"custom_params.{RATIO_KEY} must be a number in [0, 1], got {ratio!r}")
+    if (
+        isinstance(ratio, bool)
+        or not isinstance(ratio, int | float)
+        or not 0.0 <= ratio <= 1.0  # also refuses NaN
+    ):
+        raise ValueError(
+            f"custom_params.{RATIO_KEY} must be a number in [0, 1], got {_short(ratio)}"
+        )
     if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-        raise ValueError(f"custom_params.{SINK_KEY} must be an integer >= 0, got {sink_tokens!r}")
+        raise ValueError(
+            f"custom_params.{SINK_KEY} must be an integer >= 0, got {_short(sink_tokens)}"
+        )
     return FusionOptions(enabled, selector, float(ratio), sink_tokens)
 
 
-class SGLangModelAdapter(ModelAdapter):
-    """SGLang's Llama / Qwen2 modules split at the attention op (TP=1)."""
-
-    SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-
-    def __init__(self, model: Any, hf_config: Any) -> None:
-        if type(model).__name__ not in self.SUPPORTED:
-            raise ValueError(
-                f"fusion has no adapter for {type(model).__name__}; supported: {', '.join(self.SUPPORTED)}"
-            )
-        self._model = model
-        self._layers = model.model.layers
-        attn = self._layers[0].self_attn
-        self.shape = ModelShape(
-            num_layers=len(self._layers),
-            num_q_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-        )
-        self.rope_spec = rope_spec_from_config(hf_config)
-        self.attn_scale = float(attn.scaling)
-        weight = model.model.embed_tokens.weight
-        self._device, self._dtype = weight.device, weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self._model.model.embed_tokens(token_ids)
-
-    def attention_inputs(self, layer: int, hidden: torch.Tensor) -> AttentionInputs:
-        block = self._layers[layer]
-        attn = block.self_attn
-        qkv, _ = attn.qkv_proj(block.input_layernorm(hidden))
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        n, dim = hidden.shape[0], self.shape.head_dim
-        return AttentionInputs(q.view(n, -1, dim), k.view(n, -1, dim), v.view(n, -1, dim))
-
-    def attention_output(
-        self, layer: int, hidden: torch.Tensor, attn: torch.Tensor
-    ) -> torch.Tensor:
-        block = self._layers[layer]
-        out, _ = block.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
-        hidden = hidden + out
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed = self._model.model.norm(hidden)
-        return (normed @ self._model.lm_head.weight.t()).float()
+def _short(value: Any, limit: int = 80) -> str:
+    # Error messages echo the client's value; a megabyte-long one must not come back whole.
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class FusionRuntime:
@@ -142,6 +105,13 @@ class FusionRuntime:
         self.registry = registry
         self.settings = settings
         self.requests: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        # Requests seen in a partial chunked-prefill round: never fused in a later round.
+        self.split_requests: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Admission: where the first chunk starts in each prompt (None: not fusable), recomputed
+        # when the set of registered chunks changes.
+        self._admission: weakref.WeakKeyDictionary[Any, tuple[int, int | None]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.counters: Counter[str] = Counter()
         self._adapter: SGLangModelAdapter | None = None
         self._adapter_error: str | None = None
@@ -155,6 +125,30 @@ class FusionRuntime:
                 self._adapter_error = str(err)
                 logger.error("fusion disabled: %s", err)
         return self._adapter
+
+    def will_fuse(self, req: Any) -> bool:
+        """Admission's guess whether `req` will be fused; the forward-time plan decides."""
+        generation = self.registry.generation
+        cached = self._admission.get(req)
+        if cached is None or cached[0] != generation:
+            options = _options_of(self, req, count=False)
+            first_chunk: int | None = None
+            if (
+                options is not None
+                and options.enabled
+                and registration_id(req) is None
+                and _static_fallback_reason(req) is None
+            ):
+                matches = self.registry.index.find(req.origin_input_ids)
+                first_chunk = matches[0].prompt_start if matches else None
+            cached = (generation, first_chunk)
+            self._admission[req] = cached
+        first_chunk = cached[1]
+        return (
+            first_chunk is not None
+            and req.prefix_len <= first_chunk
+            and req not in self.split_requests
+        )
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
@@ -182,13 +176,23 @@ def _settings_for(extra_config: str | None) -> ExtensionSettings:
 
 
 def validate_request(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE hook on TokenizerManager.generate_request (launching process): 400 on bad options."""
+    """BEFORE hook on TokenizerManager.generate_request (launching process): 400 on bad options,
+    and on the internal registration key unless `POST /chunks` itself sent the request."""
     params = getattr(obj, "sampling_params", None)
     batch = params if isinstance(params, list) else [params]
     settings = _settings_for(tokenizer_manager.server_args.hicache_storage_backend_extra_config)
     for sampling in batch:
         if isinstance(sampling, dict):
-            parse_options(sampling.get("custom_params"), settings)
+            custom = sampling.get("custom_params")
+            if (
+                isinstance(custom, dict)
+                and REGISTER_PARAM in custom
+                and not registering_chunk.get()
+            ):
+                raise ValueError(
+                    f"custom_params.{REGISTER_PARAM} is internal; register chunks with POST /chunks"
+                )
+            parse_options(custom, settings)
 
 
 def remember_request(req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -196,6 +200,34 @@ def remember_request(req: Any, *args: Any, **kwargs: Any) -> Any:
     if _runtime is not None:
         _runtime.requests[req.rid] = req
     return req
+
+
+def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook on PrefillAdder.add_one_req: requests that will be fused and requests that
+    will not go to separate prefill batches (the first request of a batch sets its kind).
+
+    A skipped request stays in the waiting queue, like a request SGLang itself skips for another
+    pooling mode; the next batch starts with it. A fused request that would be split by the
+    remaining chunked-prefill budget of a batch already holding others also waits: alone, it
+    gets the whole budget.
+    """
+    rt = _runtime
+    if rt is None or not adder.can_run_list:
+        return original(adder, req, *args, **kwargs)
+    fused = rt.will_fuse(req)
+    if fused != rt.will_fuse(adder.can_run_list[0]) or (fused and _would_be_split(adder, req)):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.CONTINUE
+    return original(adder, req, *args, **kwargs)
+
+
+def _would_be_split(adder: Any, req: Any) -> bool:
+    budget = adder.rem_chunk_tokens
+    if budget is None:  # chunked prefill is off
+        return False
+    extend = len(req.full_untruncated_fill_ids) - req.prefix_len
+    return adder.ceil_paged_tokens(extend) > budget
 
 
 def forward_with_fusion(
@@ -210,98 +242,189 @@ def forward_with_fusion(
     ):
         return original(runner, forward_batch, *args, **kwargs)
     plans = _plan_batch(rt, forward_batch)
-    if plans is None:
+    if plans is None:  # nobody in the batch asked for fusion
         return original(runner, forward_batch, *args, **kwargs)
-    adapter = rt.adapter(runner)
-    if adapter is None:
-        rt.counters["fallback_no_adapter"] += len(plans)
-        return original(runner, forward_batch, *args, **kwargs)
-    return _run_fused_batch(rt, runner, adapter, forward_batch, plans)
+    try:
+        if all(plan.fused for plan in plans):
+            adapter = rt.adapter(runner)
+            if adapter is not None:
+                return _run_fused_batch(rt, adapter, runner, forward_batch, plans)
+            _fall_back(rt, plans, "no_adapter")
+        output = original(runner, forward_batch, *args, **kwargs)
+        _report(output.logits_output, [plan.info() for plan in plans])
+        return output
+    finally:
+        for plan in plans:
+            plan.release(rt.registry)
 
 
 @dataclasses.dataclass
 class _RequestPlan:
+    """How one request of an extend batch is computed in this round."""
+
     req: Any
+    rid: str
     prefix_len: int
     extend_len: int
-    segments: list[Segment]
-    # The request's options when it is fused; None: computed in full (exact) by the executor.
-    fusion: FusionOptions | None = None
-    chunks_hit: int = 0
+    asked: bool  # the request asked for fusion
+    options: FusionOptions | None = None
+    segments: list[Segment] = dataclasses.field(default_factory=list)
+    pinned: list[str] = dataclasses.field(default_factory=list)  # chunk ids held for the round
+    fallback: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.asked and self.fallback is None and bool(self.pinned)
 
     def selector(self) -> Selector:
-        if self.fusion is None:
-            return make_selector("full", 1.0)
-        options = self.fusion
+        assert self.options is not None
         return make_selector(
-            options.selector, options.recompute_ratio, sink_tokens=options.sink_tokens
+            self.options.selector,
+            self.options.recompute_ratio,
+            sink_tokens=self.options.sink_tokens,
         )
+
+    def info(self) -> dict[str, Any] | None:
+        """What the response reports for this round (None: the request did not ask)."""
+        if not self.asked:
+            return {"fused": False}
+        return {"fused": False, "fallback": self.fallback}
+
+    def release(self, registry: ChunkRegistry) -> None:
+        for chunk_id in self.pinned:
+            registry.store.unpin(chunk_id)
+        self.pinned = []
 
 
 def _plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[_RequestPlan] | None:
-    """Plans for every request, or None when the batch goes the normal way."""
+    """One plan per request, or None when no request of the batch asked for fusion.
+
+    The batch is fused only if every plan is; otherwise the fused ones fall back too."""
     rids = list(forward_batch.rids or [])
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
     extend_lens = list(forward_batch.extend_seq_lens_cpu)
     plans: list[_RequestPlan] = []
-    any_fused = False
     for rid, prefix_len, extend_len in zip(rids, prefix_lens, extend_lens, strict=True):
         req = rt.requests.get(rid)
-        if req is None:
-            return None
-        options = _options_of(rt, req)
-        tokens = list(req.origin_input_ids)
-        plan = _RequestPlan(req, prefix_len, extend_len, [TextSegment(tuple(tokens))])
-        if options is not None and options.enabled and registration_id(req) is None:
-            reason = _fallback_reason(req, prefix_len, extend_len, len(tokens))
-            if reason is None:
-                segments, hits = _segments(rt.registry, tokens)
-                if hits:
-                    plan = _RequestPlan(req, prefix_len, extend_len, segments, options, hits)
-                    any_fused = True
-                else:
-                    reason = "no_chunk_matched"
-            if reason is not None:
-                rt.counters[f"fallback_{reason}"] += 1
-                logger.info("request %s: normal prefill (%s)", rid, reason)
+        options = _options_of(rt, req) if req is not None else None
+        asked = options is not None and options.enabled and registration_id(req) is None
+        plan = _RequestPlan(req, rid, prefix_len, extend_len, asked, options)
         plans.append(plan)
-    return plans if any_fused else None
+        if not asked:
+            continue
+        plan.fallback = _fallback_reason(rt, req, prefix_len, extend_len)
+        if plan.fallback is None:
+            plan.segments, plan.pinned = pinned_chunk_segments(
+                rt.registry, list(req.origin_input_ids)
+            )
+            if not plan.pinned:
+                plan.fallback = "no_chunk_matched"
+            elif prefix_len > _first_chunk_start(plan.segments):
+                # The tree already holds exact KV over chunk tokens (an earlier normal prefill
+                # of this prompt): computing the rest normally is exact and cheaper, and fused
+                # KV is never mixed with it.
+                plan.release(rt.registry)
+                plan.fallback = "prefix_cached"
+    if not any(plan.asked for plan in plans):
+        return None
+    if not all(plan.fused for plan in plans):
+        # SGLang's forward computes the batch; fused plans give their chunks back.
+        _fall_back(rt, [plan for plan in plans if plan.fused], "mixed_batch")
+    elif not _extend_tokens_agree(forward_batch, plans):
+        _fall_back(rt, plans, "inconsistent_batch")
+        logger.error("fusion: batch tokens differ from the requests' prompts; normal prefill")
+    for plan in plans:
+        if plan.fallback is not None:
+            rt.counters[f"fallback_{plan.fallback}"] += 1
+            logger.info("request %s: normal prefill (%s)", plan.rid, plan.fallback)
+    return plans
 
 
-def _options_of(rt: FusionRuntime, req: Any) -> FusionOptions | None:
+def _fall_back(rt: FusionRuntime, plans: list[_RequestPlan], reason: str) -> None:
+    for plan in plans:
+        plan.release(rt.registry)
+        plan.fallback = reason
+
+
+def _options_of(rt: FusionRuntime, req: Any, count: bool = True) -> FusionOptions | None:
     try:
         return parse_options(getattr(req.sampling_params, "custom_params", None), rt.settings)
     except ValueError:  # validated at the HTTP layer; an engine API caller may bypass it
-        rt.counters["fallback_bad_options"] += 1
+        if count:
+            rt.counters["fallback_bad_options"] += 1
         return None
 
 
-def _fallback_reason(req: Any, prefix_len: int, extend_len: int, prompt_len: int) -> str | None:
-    if prefix_len + extend_len != prompt_len:
-        return "split_prefill"
+def _static_fallback_reason(req: Any) -> str | None:
+    """Reasons known from the request alone (admission and forward agree on them)."""
     if getattr(req, "return_logprob", False):
         return "logprobs_requested"
+    if getattr(req, "return_hidden_states", False):
+        return "hidden_states_requested"
+    if getattr(req, "multimodal_inputs", None) is not None:
+        return "multimodal_input"
+    if req.output_ids:
+        # Retracted and re-prefilled with its output so far: the prompt is not the original one.
+        return "resumed_request"
     return None
 
 
-def _segments(registry: ChunkRegistry, tokens: list[int]) -> tuple[list[Segment], int]:
+def _fallback_reason(rt: FusionRuntime, req: Any, prefix_len: int, extend_len: int) -> str | None:
+    reason = _static_fallback_reason(req)
+    if reason is not None:
+        return reason
+    if req in rt.split_requests or prefix_len + extend_len != len(req.origin_input_ids):
+        # Rounds before the last computed part of the prompt normally: fusing only the tail
+        # would mix exact and fused KV without the selector ever seeing the whole prompt.
+        rt.split_requests.add(req)
+        return "split_prefill"
+    return None
+
+
+def _first_chunk_start(segments: list[Segment]) -> int:
+    start = 0
+    for segment in segments:
+        if isinstance(segment, ChunkSegment):
+            return start
+        start += len(segment.token_ids)
+    return start
+
+
+def _extend_tokens_agree(forward_batch: Any, plans: list[_RequestPlan]) -> bool:
+    """The batch computes exactly each prompt's tail after its cached prefix (cheap check that
+    guards the KV writes against any scheduler state this module does not know about)."""
+    batch_ids = forward_batch.input_ids.tolist()
+    offset = 0
+    for plan in plans:
+        tail = list(plan.req.origin_input_ids[plan.prefix_len :])
+        if batch_ids[offset : offset + plan.extend_len] != tail:
+            return False
+        offset += plan.extend_len
+    return offset == len(batch_ids)
+
+
+def pinned_chunk_segments(
+    registry: ChunkRegistry, tokens: list[int]
+) -> tuple[list[Segment], list[str]]:
+    """The prompt as text and chunk segments, with the matched chunks pinned (callers unpin).
+
+    A chunk evicted or deleted since matching is skipped: its tokens are computed like text."""
     segments: list[Segment] = []
+    pinned: list[str] = []
     cursor = 0
-    hits = 0
     for match in registry.index.find(tokens):
-        # A hit refreshes the chunk's LRU position; an entry evicted since matching is skipped
-        # (its tokens are then computed like any text).
-        chunk = registry.store.get(match.chunk_id)
-        if chunk is None:
+        try:
+            chunk = registry.store.pin(match.chunk_id)
+        except KeyError:
             continue
+        pinned.append(match.chunk_id)
         if match.prompt_start > cursor:
             segments.append(TextSegment(tuple(tokens[cursor : match.prompt_start])))
         segments.append(ChunkSegment(_slice(chunk, match.chunk_start, match.chunk_end)))
         cursor = match.prompt_end
-        hits += 1
     if cursor < len(tokens):
         segments.append(TextSegment(tuple(tokens[cursor:])))
-    return segments, hits
+    return segments, pinned
 
 
 def _slice(chunk: PrecomputedChunk, start: int, end: int) -> PrecomputedChunk:
@@ -316,10 +439,18 @@ def _slice(chunk: PrecomputedChunk, start: int, end: int) -> PrecomputedChunk:
     )
 
 
+def _report(logits_output: Any, infos: list[dict[str, Any] | None]) -> None:
+    if logits_output is not None:
+        logits_output.customized_info = {
+            **(logits_output.customized_info or {}),
+            META_KEY: infos,
+        }
+
+
 def _run_fused_batch(
     rt: FusionRuntime,
-    runner: Any,
     adapter: SGLangModelAdapter,
+    runner: Any,
     forward_batch: Any,
     plans: list[_RequestPlan],
 ) -> Any:
@@ -334,32 +465,39 @@ def _run_fused_batch(
         result = fused_prefill(adapter, plan.segments, plan.selector(), return_kv=True)
         assert result.kv is not None
         loc = out_cache_loc[offset : offset + plan.extend_len]
+        if (
+            result.kv.num_tokens != plan.prefix_len + plan.extend_len
+            or loc.numel() != plan.extend_len
+        ):
+            raise RuntimeError(
+                f"fusion: request {plan.rid} computed {result.kv.num_tokens} tokens for a round of "
+                f"{plan.prefix_len} cached + {plan.extend_len} new ({loc.numel()} KV slots)"
+            )
         for layer in range(adapter.shape.num_layers):
             layer_id = kv_pool.start_layer + layer
-            kv_pool.get_key_buffer(layer_id)[loc] = result.kv.keys[layer][plan.prefix_len :].to(
-                kv_pool.dtype
-            )
-            kv_pool.get_value_buffer(layer_id)[loc] = result.kv.values[layer][plan.prefix_len :].to(
-                kv_pool.dtype
-            )
+            keys = result.kv.keys[layer][plan.prefix_len :]
+            values = result.kv.values[layer][plan.prefix_len :]
+            kv_pool.get_key_buffer(layer_id)[loc] = keys.to(kv_pool.dtype)
+            kv_pool.get_value_buffer(layer_id)[loc] = values.to(kv_pool.dtype)
         offset += plan.extend_len
         logits.append(result.logits)
-        info: dict[str, Any] = {"fused": plan.fusion is not None}
-        if plan.fusion is not None:
-            plan.req.skip_radix_cache_insert = True
-            reused = result.num_chunk_tokens - int(result.selected.numel())
-            info.update(
-                selector=plan.fusion.selector,
-                recompute_ratio=plan.fusion.recompute_ratio,
-                sink_tokens=plan.fusion.sink_tokens,
-                chunks_hit=plan.chunks_hit,
-                chunk_tokens=result.num_chunk_tokens,
-                tokens_reused=reused,
-                tokens_recomputed=result.num_tokens - reused,
-            )
-            rt.counters["fused_requests"] += 1
-            rt.counters["tokens_reused"] += reused
-        infos.append(info)
+        assert plan.options is not None
+        plan.req.skip_radix_cache_insert = True
+        reused = result.num_chunk_tokens - int(result.selected.numel())
+        infos.append(
+            {
+                "fused": True,
+                "selector": plan.options.selector,
+                "recompute_ratio": plan.options.recompute_ratio,
+                "sink_tokens": plan.options.sink_tokens,
+                "chunks_hit": len(plan.pinned),
+                "chunk_tokens": result.num_chunk_tokens,
+                "tokens_reused": reused,
+                "tokens_recomputed": result.num_tokens - reused,
+            }
+        )
+        rt.counters["fused_requests"] += 1
+        rt.counters["tokens_reused"] += reused
     output = LogitsProcessorOutput(next_token_logits=torch.stack(logits).to(runner.device))
-    output.customized_info = {META_KEY: infos}
+    _report(output, infos)
     return ModelRunnerOutput(logits_output=output, can_run_graph=False)

@@ -58,6 +58,11 @@ def register() -> None:
         HookType.AFTER,
     )
     HookRegistry.register(
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+        fused_prefill.keep_batches_homogeneous,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
         fused_prefill.forward_with_fusion,
         HookType.AROUND,

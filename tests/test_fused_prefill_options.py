@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_ext.fused_prefill import FusionOptions, SGLangModelAdapter, parse_options
+from sglang_ext.fused_prefill import FusionOptions, parse_options
 from sglang_ext.settings import ExtensionSettings
+from sglang_ext.sglang_model_adapter import SGLangModelAdapter
 
 DEFAULTS = ExtensionSettings(
     fusion_by_default=False, fusion_selector="a3", fusion_recompute_ratio=0.15

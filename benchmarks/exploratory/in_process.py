@@ -14,7 +14,7 @@ from fusion_quality import chatml_prompt, documents_of  # noqa: E402
 
 from sglang_ext.chunks import ChunkRegistry  # noqa: E402
 from sglang_ext.datasets import HotpotQAExample  # noqa: E402
-from sglang_ext.fused_prefill import _segments  # noqa: E402
+from sglang_ext.fused_prefill import pinned_chunk_segments  # noqa: E402
 from sglang_ext.fusion import chunk_hash, precompute_chunk  # noqa: E402
 from sglang_ext.fusion.adapter import ModelAdapter  # noqa: E402
 from sglang_ext.fusion.request import Segment  # noqa: E402
@@ -32,5 +32,5 @@ def question_segments(
         tokens = tokenizer.encode(paragraph, add_special_tokens=False)
         registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
         registry.index.add(chunk_hash(tokens), tokens)
-    segments, _ = _segments(registry, ids)
+    segments, _ = pinned_chunk_segments(registry, ids)
     return segments
