@@ -107,7 +107,7 @@ class FusionRuntime:
         self.requests: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         # Requests seen in a partial chunked-prefill round: never fused in a later round.
         self.split_requests: weakref.WeakSet[Any] = weakref.WeakSet()
-        # Admission: where the first chunk starts in each prompt (None: not fusable), recomputed
+        # Admission: where the last chunk ends in each prompt (None: not fusable), recomputed
         # when the set of registered chunks changes.
         self._admission: weakref.WeakKeyDictionary[Any, tuple[int, int | None]] = (
             weakref.WeakKeyDictionary()
@@ -132,7 +132,7 @@ class FusionRuntime:
         cached = self._admission.get(req)
         if cached is None or cached[0] != generation:
             options = _options_of(self, req, count=False)
-            first_chunk: int | None = None
+            chunks_end: int | None = None
             if (
                 options is not None
                 and options.enabled
@@ -140,13 +140,13 @@ class FusionRuntime:
                 and _static_fallback_reason(req) is None
             ):
                 matches = self.registry.index.find(req.origin_input_ids)
-                first_chunk = matches[0].prompt_start if matches else None
-            cached = (generation, first_chunk)
+                chunks_end = matches[-1].prompt_end if matches else None
+            cached = (generation, chunks_end)
             self._admission[req] = cached
-        first_chunk = cached[1]
+        chunks_end = cached[1]
         return (
-            first_chunk is not None
-            and req.prefix_len <= first_chunk
+            chunks_end is not None
+            and req.prefix_len < chunks_end
             and req not in self.split_requests
         )
 
@@ -319,10 +319,9 @@ def _plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[_RequestPlan] | N
             )
             if not plan.pinned:
                 plan.fallback = "no_chunk_matched"
-            elif prefix_len > _first_chunk_start(plan.segments):
-                # The tree already holds exact KV over chunk tokens (an earlier normal prefill
-                # of this prompt): computing the rest normally is exact and cheaper, and fused
-                # KV is never mixed with it.
+            elif prefix_len >= _chunks_end(plan.segments):
+                # The tree already holds exact KV for every chunk token (an earlier normal
+                # prefill of this prompt): nothing is left to fuse, the rest is computed exactly.
                 plan.release(rt.registry)
                 plan.fallback = "prefix_cached"
     if not any(plan.asked for plan in plans):
@@ -381,13 +380,16 @@ def _fallback_reason(rt: FusionRuntime, req: Any, prefix_len: int, extend_len: i
     return None
 
 
-def _first_chunk_start(segments: list[Segment]) -> int:
-    start = 0
+def _chunks_end(segments: list[Segment]) -> int:
+    """Prompt position just after the last chunk token."""
+    position = end = 0
     for segment in segments:
+        position += (
+            len(segment.token_ids) if isinstance(segment, TextSegment) else segment.chunk.num_tokens
+        )
         if isinstance(segment, ChunkSegment):
-            return start
-        start += len(segment.token_ids)
-    return start
+            end = position
+    return end
 
 
 def _extend_tokens_agree(forward_batch: Any, plans: list[_RequestPlan]) -> bool:

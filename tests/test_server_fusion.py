@@ -1,4 +1,7 @@
-"""Chunk fusion through the real server: exactness at r=1, reuse, fallbacks, bad input, concurrency."""
+"""Chunk fusion through the real server: exactness at r=1, reuse, fallbacks, bad input, concurrency.
+
+Mixed concurrent traffic (split prompts, logprobs, streams, aborts) is in test_server_concurrency.py.
+"""
 
 from __future__ import annotations
 
@@ -44,15 +47,24 @@ def _generate(url: str, prompt: str, **custom: object) -> dict:
 def test_full_recompute_equals_normal_prefill(hicache_server, rag_prompts) -> None:
     url = hicache_server.url
     for prompt in rag_prompts:
-        flush_cache(url)
-        normal = _generate(url, prompt)
+        # A variant no other test sends, fused first: a fused prefill inserts nothing, while the
+        # normal one puts the prompt into every tier (the file tier survives /flush_cache), and a
+        # prompt cached over all its chunks is not fused at all (fallback prefix_cached).
+        variant = prompt.replace("Documents:", "Exactness check. Documents:")
         flush_cache(url)
         fused = _generate(
-            url, prompt, fusion=True, fusion_selector="full", fusion_recompute_ratio=1.0
+            url, variant, fusion=True, fusion_selector="full", fusion_recompute_ratio=1.0
         )
         (info,) = fused["meta_info"]["hicache_ext_fusion"]
         assert info["fused"] is True and info["chunks_hit"] == 6 and info["tokens_reused"] == 0
+        flush_cache(url)
+        normal = _generate(url, variant)
         assert fused["output_ids"] == normal["output_ids"]
+        again = _generate(url, variant, fusion=True, fusion_selector="a3")
+        assert again["meta_info"]["hicache_ext_fusion"] == [
+            {"fused": False, "fallback": "prefix_cached"}
+        ]
+        assert again["output_ids"] == normal["output_ids"]
 
 
 @pytest.mark.parametrize(
@@ -112,7 +124,9 @@ def test_fused_kv_never_enters_the_prefix_tree(hicache_server, rag_prompts) -> N
 def test_no_registered_chunk_falls_back_to_normal_prefill(hicache_server) -> None:
     prompt = "A sentence that no registered chunk contains, about lighthouses and their keepers."
     out = _generate(hicache_server.url, prompt, fusion=True)
-    assert out["meta_info"].get("hicache_ext_fusion") in (None, [])
+    assert out["meta_info"]["hicache_ext_fusion"] == [
+        {"fused": False, "fallback": "no_chunk_matched"}
+    ]
     info = requests.get(hicache_server.url + "/server_info", timeout=30).json()["internal_states"][
         0
     ]
@@ -178,3 +192,38 @@ def test_frontend_program_with_fusion_options(hicache_server) -> None:
     plain = ask(documents[::-1], example.question, max_tokens=4)
     assert fused.tokens_reused >= 0.8 * sum(c.num_tokens for c in chunks)
     assert plain.tokens_reused == 0
+
+
+def test_deleting_a_chunk_under_a_running_request_is_safe(hicache_server) -> None:
+    """A fused request keeps its own copy of the chunk KV after its prefill: deleting the chunk
+    mid-decode is accepted and changes nothing in that request's output."""
+    import json
+
+    url = hicache_server.url
+    doc = load_hotpotqa(1, seed=99)[0].documents[2]
+    chunk = requests.post(url + "/chunks", json={"text": doc}, timeout=120).json()
+    body = {
+        "text": f"Reference:\n{doc}\nQuestion: what is this about?\nAnswer:",
+        "sampling_params": {
+            "max_new_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "custom_params": {"fusion": True, "fusion_selector": "reuse"},
+        },
+    }
+    reference = requests.post(url + "/generate", json=body, timeout=600).json()
+    assert reference["meta_info"]["hicache_ext_fusion"][0]["fused"] is True
+    last = None
+    with requests.post(
+        url + "/generate", json={**body, "stream": True}, stream=True, timeout=600
+    ) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            if last is None:  # prefill done, decoding: drop the chunk now
+                deleted = requests.delete(f"{url}/chunks/{chunk['id']}", timeout=60)
+                assert deleted.status_code == 200, deleted.text
+            last = json.loads(line[len(b"data:") :])
+    assert last is not None and last["output_ids"] == reference["output_ids"]
+    again = requests.post(url + "/generate", json=body, timeout=600).json()
+    assert again["meta_info"]["hicache_ext_fusion"][0].get("fallback") == "no_chunk_matched"
