@@ -68,6 +68,7 @@ _SGLANG_KEYS = frozenset(
     }
 )
 MODULE_PATH = __name__
+_DEFAULT_HISTORY_SAVE_S = 60.0
 SERVER_LOCK_NAME = "server.lock"  # in disk_dir: one server per disk_dir
 HISTORY_FILE_NAME = "ttl-history.bin"  # in the shard folder, beside the store's `pages/`
 
@@ -88,7 +89,7 @@ class DiskTierOptions:
     static_ttls: dict[str, float] | None = None  # group -> TTL for ttl_policy = "static"
     purge_interval_s: float = 5.0
     ttl_history_save_s: float | None = None  # how often the access history is saved; default
-    # the planning period (and always on close)
+    # min(planning period, 60 s), and always on close
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> DiskTierOptions:
@@ -129,9 +130,10 @@ class DiskTierOptions:
 
     @property
     def history_save_s(self) -> float:
-        return float(
-            self.ttl_period_s if self.ttl_history_save_s is None else self.ttl_history_save_s
-        )
+        # SGLang stops schedulers by signal, without close(): a stop loses what is not saved.
+        if self.ttl_history_save_s is None:
+            return float(min(self.ttl_period_s, _DEFAULT_HISTORY_SAVE_S))
+        return float(self.ttl_history_save_s)
 
 
 _server_locks: dict[Path, DirectoryLock] = {}
