@@ -14,22 +14,42 @@
 
 Registration runs as a prefill-only generate request (the scheduler captures the KV, see
 `sglang_ext.chunks`); list and delete use SGLang's scheduler control channel.
+
+Auth is SGLang's own (`sglang.srt.utils.auth`): routes that change or drop shared state
+(`DELETE /chunks/{id}`, `POST /hicache_ext/storage/ttl`) are ADMIN_OPTIONAL like `/flush_cache`;
+the others are NORMAL like `/generate`. `POST /chunks` is bounded before any tokenization
+(`sglang_ext.request_limits`: body bytes, tokens, registrations per minute and client host).
+Every refusal is a 4xx with `{"error": message}`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import re
 from typing import Any
 
-from fastapi import Request
+from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from sglang_ext.chunks import CONTROL_PREFIX, REGISTER_PARAM
+from sglang_ext.chunks import CONTROL_PREFIX, REGISTER_PARAM, registering_chunk
 from sglang_ext.fusion.chunk import chunk_hash
+from sglang_ext.request_limits import RateLimiter, RequestRefused, parse_json, read_bounded_body
+from sglang_ext.settings import ExtensionSettings, load_settings
 
 # A capture lands when the scheduler checkpoints the request, just before the response goes out.
 _CAPTURE_POLL_S = 0.05
 _CAPTURE_TIMEOUT_S = 10.0
+# A text longer than this many characters per allowed token cannot fit: the longest tokens of
+# common BPE vocabularies are runs of punctuation or spaces of a few dozen characters, so this
+# bound never refuses real text and lets a huge one be refused without tokenizing it.
+_MAX_CHARS_PER_TOKEN = 32
+# Texts longer than this are tokenized on a worker thread so they do not stall the event loop.
+_INLINE_TOKENIZE_CHARS = 4096
+# The TTL route takes a handful of numbers; anything larger than this is not a TTL request.
+_CONTROL_BODY_MAX_BYTES = 64 * 1024
+_CHUNK_ID = re.compile(r"[0-9a-f]{64}")
 
 
 class ControlError(Exception):
@@ -55,28 +75,113 @@ async def _control(method: str, body: dict[str, Any]) -> dict[str, Any]:
     return responses[0] if responses else {}
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": message})
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": message}, headers=headers)
 
 
-def _token_ids(body: Any, tokenizer: Any, vocab_size: int) -> list[int]:
+def _refused(err: RequestRefused) -> JSONResponse:
+    return _error(err.status, err.message, err.headers)
+
+
+def _control_error(err: ControlError) -> JSONResponse:
+    message = str(err)
+    if "unavailable" in message or "not in use" in message:
+        return _error(404, message)  # the feature is not configured on this server
+    if "in use" in message:
+        return _error(409, message)
+    return _error(400, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLimits:
+    """The bounds of `POST /chunks` on this server, and the registration rate limiter."""
+
+    settings: ExtensionSettings
+    rate: RateLimiter
+
+
+@functools.lru_cache(maxsize=4)
+def _chunk_limits(extra_config: str | None) -> ChunkLimits:
+    # Read once per server: the settings were validated at launch and do not change.
+    settings = load_settings(extra_config)
+    return ChunkLimits(
+        settings,
+        RateLimiter(settings.chunk_registrations_per_minute, "chunk_registrations_per_minute"),
+    )
+
+
+def chunk_token_bound(
+    chunk_max_tokens: int, context_len: int, reserved_tokens: int, max_req_input_len: int | None
+) -> tuple[int, str]:
+    """The most tokens a chunk may have, and what sets that bound. SGLang refuses (or, with
+    auto-truncation, cuts) a prompt of context_len tokens or more, and the scheduler one of
+    max_req_input_len or more; a cut chunk would no longer match its id."""
+    bounds = [
+        (chunk_max_tokens, "chunk_max_tokens"),
+        (context_len - 1 - reserved_tokens, f"the model's context length {context_len}"),
+    ]
+    if max_req_input_len:
+        bounds.append(
+            (max_req_input_len - 1, f"the server's max request input length {max_req_input_len}")
+        )
+    return min(bounds, key=lambda bound: bound[0])
+
+
+def _max_chunk_tokens(manager: Any, settings: ExtensionSettings) -> tuple[int, str]:
+    return chunk_token_bound(
+        settings.chunk_max_tokens,
+        int(manager.context_len),
+        int(getattr(manager, "num_reserved_tokens", 0) or 0),
+        getattr(manager, "max_req_input_len", None),
+    )
+
+
+def _client_host(request: Request) -> str:
+    return request.client.host if request.client is not None else "unknown client"
+
+
+async def _chunk_token_ids(body: Any, manager: Any, max_tokens: int, bound: str) -> list[int]:
+    """The chunk's token ids; sizes are checked before types and before any tokenization."""
     if not isinstance(body, dict) or ("text" in body) == ("input_ids" in body):
-        raise ValueError('send a JSON object with exactly one of "text" or "input_ids"')
-    if "text" in body:
+        raise RequestRefused(400, 'send a JSON object with exactly one of "text" or "input_ids"')
+    unknown = sorted(set(body) - {"text", "input_ids"})
+    if unknown:
+        raise RequestRefused(400, f"unknown key(s) {', '.join(map(repr, unknown))[:200]}")
+    too_long = f"the chunk is longer than {max_tokens} tokens ({bound})"
+    if "input_ids" in body:
+        ids = body["input_ids"]
+        if not isinstance(ids, list):
+            raise RequestRefused(400, '"input_ids" must be a list of integers')
+        if len(ids) > max_tokens:
+            raise RequestRefused(413, f"{too_long}: {len(ids)} input_ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestRefused(400, '"input_ids" must be a list of integers')
+    else:
         text = body["text"]
         if not isinstance(text, str) or not text.strip():
-            raise ValueError('"text" must be a non-empty string')
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        ids = body["input_ids"]
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids
-        ):
-            raise ValueError('"input_ids" must be a list of integers')
+            raise RequestRefused(400, '"text" must be a non-empty string')
+        if len(text) > max_tokens * _MAX_CHARS_PER_TOKEN:
+            raise RequestRefused(413, f"{too_long}: {len(text)} characters")
+        try:  # JSON may carry lone surrogates ("\ud800"); the tokenizer raises a TypeError on them
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestRefused(400, '"text" is not valid Unicode (a lone surrogate)') from None
+        tokenizer = manager.tokenizer
+        if tokenizer is None:
+            raise RequestRefused(
+                400, 'this server has no tokenizer (--skip-tokenizer-init); send "input_ids"'
+            )
+        if len(text) > _INLINE_TOKENIZE_CHARS:
+            ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > max_tokens:
+            raise RequestRefused(413, f"{too_long}: {len(ids)} tokens")
     if not ids:
-        raise ValueError("the chunk has no tokens")
+        raise RequestRefused(400, "the chunk has no tokens")
+    vocab_size = manager.model_config.vocab_size
     if any(not 0 <= t < vocab_size for t in ids):
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
+        raise RequestRefused(400, f"token ids must be in [0, {vocab_size})")
     return [int(t) for t in ids]
 
 
@@ -84,14 +189,16 @@ async def register_chunk(request: Request) -> JSONResponse:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     manager = _tokenizer_manager()
+    limits = _chunk_limits(manager.server_args.hicache_storage_backend_extra_config)
     try:
-        body = await request.json()
-    except ValueError:
-        return _error(400, "the body is not valid JSON")
-    try:
-        ids = _token_ids(body, manager.tokenizer, manager.model_config.vocab_size)
-    except ValueError as err:
-        return _error(400, str(err))
+        limits.rate.acquire(_client_host(request))
+        raw = await read_bounded_body(
+            request, limits.settings.chunk_max_body_bytes, "chunk_max_body_bytes"
+        )
+        max_tokens, bound = _max_chunk_tokens(manager, limits.settings)
+        ids = await _chunk_token_ids(parse_json(raw), manager, max_tokens, bound)
+    except RequestRefused as err:
+        return _refused(err)
     chunk_id = chunk_hash(ids)
     try:
         known = (await _control("describe_chunk", {"id": chunk_id})).get("chunk")
@@ -101,8 +208,13 @@ async def register_chunk(request: Request) -> JSONResponse:
             input_ids=ids,
             sampling_params={"max_new_tokens": 0, "custom_params": {REGISTER_PARAM: chunk_id}},
         )
-        async for _ in manager.generate_request(prefill, request):
-            pass
+        # Only this route may send REGISTER_PARAM (checked by fused_prefill.validate_request).
+        token = registering_chunk.set(True)
+        try:
+            async for _ in manager.generate_request(prefill, request):
+                pass
+        finally:
+            registering_chunk.reset(token)
         deadline = asyncio.get_running_loop().time() + _CAPTURE_TIMEOUT_S
         while asyncio.get_running_loop().time() < deadline:
             stored = (await _control("describe_chunk", {"id": chunk_id})).get("chunk")
@@ -110,23 +222,49 @@ async def register_chunk(request: Request) -> JSONResponse:
                 return JSONResponse({**stored, "created": True})
             await asyncio.sleep(_CAPTURE_POLL_S)
     except ControlError as err:
-        return _error(503, str(err))
+        return _control_error(err)
     except ValueError as err:  # SGLang rejects the prefill itself (e.g. longer than the context)
         return _error(400, str(err))
-    return _error(507, f"chunk {chunk_id[:12]} was prefilled but not stored; see the server log")
+    except HTTPException as err:  # SGLang aborted the prefill with a status of its own
+        return _error(err.status_code, str(err.detail))
+    # The capture failed: larger than the chunk store, or the store is full of chunks in use.
+    return _error(
+        409, f"chunk {chunk_id[:12]} was prefilled but could not be stored; see the server log"
+    )
 
 
 async def list_chunks() -> JSONResponse:
     try:
         return JSONResponse(await _control("list_chunks", {}))
     except ControlError as err:
-        return _error(503, str(err))
+        return _control_error(err)
 
 
-async def describe_chunk(
-    chunk_id: str, probe_layer: int | None = None, probe_token: int | None = None
-) -> JSONResponse:
-    body: dict[str, Any] = {"id": chunk_id}
+def _query_int(request: Request, name: str) -> int | None:
+    """An integer query parameter >= 0, None when absent; 400 otherwise (not FastAPI's 422)."""
+    value = request.query_params.get(name)
+    if value is None:
+        return None
+    if not value.isascii() or not value.isdigit() or len(value) > 18:
+        raise RequestRefused(400, f"{name} must be an integer >= 0, got {value[:40]!r}")
+    return int(value)
+
+
+def _checked_chunk_id(chunk_id: str) -> str:
+    if not _CHUNK_ID.fullmatch(chunk_id):
+        raise RequestRefused(
+            400, f"{chunk_id[:80]!r} is not a chunk id (64 lowercase hex digits, from POST /chunks)"
+        )
+    return chunk_id
+
+
+async def describe_chunk(request: Request, chunk_id: str) -> JSONResponse:
+    try:
+        body: dict[str, Any] = {"id": _checked_chunk_id(chunk_id)}
+        probe_layer = _query_int(request, "probe_layer")
+        probe_token = _query_int(request, "probe_token")
+    except RequestRefused as err:
+        return _refused(err)
     if (probe_layer is None) != (probe_token is None):
         return _error(400, "give both probe_layer and probe_token, or neither")
     if probe_layer is not None:
@@ -134,8 +272,7 @@ async def describe_chunk(
     try:
         chunk = (await _control("describe_chunk", body)).get("chunk")
     except ControlError as err:
-        status = 400 if "probe" in str(err) else 503
-        return _error(status, str(err))
+        return _control_error(err)
     if chunk is None:
         return _error(404, f"unknown chunk {chunk_id}")
     return JSONResponse(chunk)
@@ -143,46 +280,56 @@ async def describe_chunk(
 
 async def delete_chunk(chunk_id: str) -> JSONResponse:
     try:
+        _checked_chunk_id(chunk_id)
+    except RequestRefused as err:
+        return _refused(err)
+    try:
         deleted = (await _control("delete_chunk", {"id": chunk_id})).get("deleted")
     except ControlError as err:
-        status = 409 if "in use" in str(err) else 503
-        return _error(status, str(err))
+        return _control_error(err)
     if not deleted:
         return _error(404, f"unknown chunk {chunk_id}")
     return JSONResponse({"id": chunk_id, "deleted": True})
 
 
-async def storage_status(pages: int = 0) -> JSONResponse:
-    if pages < 0:
-        return _error(400, "pages must be >= 0")
+async def storage_status(request: Request) -> JSONResponse:
+    try:
+        pages = _query_int(request, "pages") or 0
+    except RequestRefused as err:
+        return _refused(err)
     try:
         return JSONResponse(await _control("storage.status", {"pages": pages}))
     except ControlError as err:
-        return _error(503, str(err))
+        return _control_error(err)
 
 
 async def storage_ttl(request: Request) -> JSONResponse:
     try:
-        body = await request.json()
-    except ValueError:
-        return _error(400, "the body is not valid JSON")
+        raw = await read_bounded_body(request, _CONTROL_BODY_MAX_BYTES, "the TTL route's limit")
+        body = parse_json(raw)
+    except RequestRefused as err:
+        return _refused(err)
     if not isinstance(body, dict):
         return _error(400, "send a JSON object")
     try:
         return JSONResponse(await _control("storage.ttl", body))
     except ControlError as err:
-        status = 503 if "not in use" in str(err) else 400
-        return _error(status, str(err))
+        return _control_error(err)
 
 
 def register_routes() -> None:
+    # SGLang's API-key middleware, added after plugins register routes, reads `_auth_level` off
+    # each endpoint function: state-changing routes are ADMIN_OPTIONAL like /flush_cache.
     from sglang.srt.entrypoints.http_server import app
+    from sglang.srt.utils.auth import AuthLevel, auth_level
 
     if any(getattr(route, "path", None) == "/chunks" for route in app.routes):
         return
-    app.add_api_route("/chunks", register_chunk, methods=["POST"])
-    app.add_api_route("/chunks", list_chunks, methods=["GET"])
-    app.add_api_route("/chunks/{chunk_id}", describe_chunk, methods=["GET"])
-    app.add_api_route("/chunks/{chunk_id}", delete_chunk, methods=["DELETE"])
-    app.add_api_route("/hicache_ext/storage", storage_status, methods=["GET"])
-    app.add_api_route("/hicache_ext/storage/ttl", storage_ttl, methods=["POST"])
+    normal = auth_level(AuthLevel.NORMAL)
+    admin = auth_level(AuthLevel.ADMIN_OPTIONAL)
+    app.add_api_route("/chunks", normal(register_chunk), methods=["POST"])
+    app.add_api_route("/chunks", normal(list_chunks), methods=["GET"])
+    app.add_api_route("/chunks/{chunk_id}", normal(describe_chunk), methods=["GET"])
+    app.add_api_route("/chunks/{chunk_id}", admin(delete_chunk), methods=["DELETE"])
+    app.add_api_route("/hicache_ext/storage", normal(storage_status), methods=["GET"])
+    app.add_api_route("/hicache_ext/storage/ttl", admin(storage_ttl), methods=["POST"])

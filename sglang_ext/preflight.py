@@ -10,13 +10,12 @@ through the Python `Engine` API it is a `PreflightError` (a ValueError) to catch
 from __future__ import annotations
 
 import errno
-import json
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.settings import ExtensionSettings, SettingsError, load_settings
+from sglang_ext.settings import ExtensionSettings, SettingsError, load_settings, read_extra_config
 
 
 class PreflightError(ValueError):
@@ -34,11 +33,10 @@ def check_disk_tier(server_args: Any) -> None:
     """Our disk backend's options, and the flags it needs, before any process starts."""
     if server_args.hicache_storage_backend != "dynamic":
         return
-    raw = server_args.hicache_storage_backend_extra_config or ""
     try:
-        extra = _read_extra_config(raw)
-    except (OSError, ValueError) as err:
-        raise PreflightError(f"--hicache-storage-backend-extra-config: {err}") from err
+        extra = read_extra_config(server_args.hicache_storage_backend_extra_config)
+    except SettingsError as err:
+        raise PreflightError(str(err)) from err
     from sglang_ext import storage_backend
 
     if extra.get("module_path") != storage_backend.MODULE_PATH:
@@ -68,20 +66,6 @@ def check_disk_tier(server_args: Any) -> None:
         raise PreflightError(f"disk_dir {options.disk_dir}: cannot claim it ({err})") from err
 
 
-def _read_extra_config(raw: str) -> dict[str, Any]:
-    if raw.startswith("@"):
-        path = Path(raw[1:])
-        if path.suffix == ".toml":
-            import tomllib
-
-            return tomllib.loads(path.read_text())
-        raw = path.read_text()
-    value = json.loads(raw) if raw.strip() else {}
-    if not isinstance(value, dict):
-        raise ValueError("must be a JSON object")
-    return value
-
-
 def _looks_local(model_path: str) -> bool:
     # Hub ids are "org/name"; anything absolute, relative-dotted or home-based is a folder.
     return model_path.startswith(("/", "./", "../", "~")) or Path(model_path).expanduser().exists()
@@ -102,8 +86,12 @@ def check_model_path(model_path: str) -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
+    """Refuse a port that a live listener holds. SO_REUSEADDR as uvicorn sets it for the real
+    bind: without it, the TIME-WAIT sockets a crashed server leaves behind for up to a minute
+    would make a restart fail here although the server itself could bind."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as err:

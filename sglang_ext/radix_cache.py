@@ -229,17 +229,44 @@ def _handle_storage_control(scheduler: Any, recv_req: Any) -> None:
 
 
 def _apply_ttl_request(disk_tier: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """`{"replan": true}` or `{"default_ttl_s": S, "ttls": {group: S}}`; anything else, a
+    string for a number, a bool for a number or a number for a bool, is a ValueError (400)."""
+    import math
+
     from tiers.ttl_policy import TtlTable
 
-    if body.get("replan"):
+    usage = 'send {"replan": true} or {"default_ttl_s": S, "ttls": {group: S}}'
+    unknown = sorted(set(body) - {"replan", "default_ttl_s", "ttls"})
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))[:200]}; {usage}")
+
+    def seconds(name: str, value: Any) -> float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r:.80}")
+        return float(value)
+
+    replan = body.get("replan", False)
+    if not isinstance(replan, bool):
+        raise ValueError(f'"replan" must be true or false, got {replan!r:.80}')
+    if replan:
+        if len(body) > 1:
+            raise ValueError(f'"replan": true takes no other keys; {usage}')
         record = disk_tier.online.replan()
         return {"replanned": record is not None, "ttl": disk_tier.online.status()}
     if "default_ttl_s" not in body:
-        raise ValueError('send {"replan": true} or {"default_ttl_s": S, "ttls": {group: S}}')
-    ttls = body.get("ttls") or {}
+        raise ValueError(usage)
+    ttls = body.get("ttls", {})
     if not isinstance(ttls, dict):
         raise ValueError('"ttls" must map group names to seconds')
-    table = TtlTable(float(body["default_ttl_s"]), {str(k): float(v) for k, v in ttls.items()})
+    table = TtlTable(
+        seconds("default_ttl_s", body["default_ttl_s"]),
+        {str(k): seconds(f"ttls[{str(k)[:40]!r}]", v) for k, v in ttls.items()},
+    )
     disk_tier.online.policy.update(table)
     logger.warning("hicache_ext: TTLs set by request (until the next plan): %s", table.as_dict())
     return {"ttl": disk_tier.online.status()}

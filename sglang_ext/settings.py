@@ -1,8 +1,9 @@
 """Extension settings: one JSON or TOML file, validated strictly.
 
 The file is named by the environment variable `SGLANG_HICACHE_EXT_CONFIG`, or by the key
-`"hicache_ext_config"` inside SGLang's `--hicache-storage-backend-extra-config` JSON (which may
-also hold the settings inline as an object). Unknown keys and bad values raise
+`"hicache_ext_config"` inside SGLang's `--hicache-storage-backend-extra-config` (inline JSON, or
+`@path` to a JSON/TOML/YAML file, read by `read_extra_config` exactly as SGLang reads it), which
+may also hold the settings inline as an object). Unknown keys and bad values raise
 `SettingsError` with the offending key and the allowed values, so the server stops with one
 clear line instead of running with a typo silently ignored.
 """
@@ -48,6 +49,12 @@ class ExtensionSettings:
     fusion_recompute_ratio: float = 0.15
     # First tokens of each chunk put first in the recompute budget (0 = the papers' selectors).
     fusion_sink_tokens: int = 0
+    # Bounds of POST /chunks, checked before any tokenization: the request body in bytes, the
+    # chunk in tokens (also never more than the model's context length), and the requests per
+    # minute and client host (0 = unlimited).
+    chunk_max_body_bytes: int = 4 * 1024**2
+    chunk_max_tokens: int = 32768
+    chunk_registrations_per_minute: int = 120
 
     def __post_init__(self) -> None:
         from sglang_ext.fusion.selectors import SELECTORS
@@ -64,6 +71,14 @@ class ExtensionSettings:
             )
         if self.fusion_sink_tokens < 0:
             raise SettingsError(f"fusion_sink_tokens = {self.fusion_sink_tokens} must be >= 0")
+        for name in ("chunk_max_body_bytes", "chunk_max_tokens"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{name} = {getattr(self, name)} must be positive")
+        if self.chunk_registrations_per_minute < 0:
+            raise SettingsError(
+                f"chunk_registrations_per_minute = {self.chunk_registrations_per_minute} "
+                "must be >= 0 (0 = unlimited)"
+            )
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,20 +145,59 @@ def read_settings_file(path: str | os.PathLike[str]) -> ExtensionSettings:
     return ExtensionSettings.from_mapping(values, source=str(path))
 
 
+def read_extra_config(extra_config: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """SGLang's `--hicache-storage-backend-extra-config` as an object: inline JSON, or `@path`
+    to a .json, .toml or .yaml/.yml file (the forms SGLang's HiCache controller accepts)."""
+    if extra_config is None:
+        return {}
+    if isinstance(extra_config, Mapping):
+        return dict(extra_config)
+    source = "--hicache-storage-backend-extra-config"
+    if extra_config.startswith("@"):
+        path = Path(extra_config[1:]).expanduser()
+        source = f"{source} {extra_config}"
+        suffix = path.suffix.lower()
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise SettingsError(f"{source}: cannot read the file ({err.strerror})") from err
+        try:
+            if suffix == ".json":
+                value = json.loads(text)
+            elif suffix == ".toml":
+                value = tomllib.loads(text)
+            elif suffix in (".yaml", ".yml"):
+                import yaml
+
+                value = yaml.safe_load(text)
+            else:
+                raise SettingsError(f"{source}: use a .json, .toml or .yaml file")
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+            raise SettingsError(f"{source}: not valid {suffix[1:].upper()}: {err}") from err
+        except ImportError as err:  # PyYAML is optional, as in SGLang
+            raise SettingsError(f"{source}: reading YAML needs PyYAML") from err
+        except Exception as err:  # yaml.YAMLError, without importing yaml for the other formats
+            raise SettingsError(f"{source}: not valid YAML: {err}") from err
+    else:
+        try:
+            value = json.loads(extra_config) if extra_config.strip() else {}
+        except json.JSONDecodeError as err:
+            raise SettingsError(f"{source}: not valid JSON: {err}") from err
+    if value is None:  # an empty YAML file
+        return {}
+    if not isinstance(value, dict):
+        raise SettingsError(f"{source}: must be a JSON object / TOML table")
+    return value
+
+
 def settings_from_extra_config(
     extra_config: str | Mapping[str, Any] | None,
 ) -> ExtensionSettings | None:
     """Settings named or given inline in SGLang's storage-backend extra-config, if any."""
-    if extra_config is None:
+    extra = read_extra_config(extra_config)
+    if EXTRA_CONFIG_KEY not in extra:
         return None
-    if isinstance(extra_config, str):
-        try:
-            extra_config = json.loads(extra_config)
-        except json.JSONDecodeError:
-            return None  # SGLang validates its own extra-config; not ours to report.
-    if not isinstance(extra_config, Mapping) or EXTRA_CONFIG_KEY not in extra_config:
-        return None
-    value = extra_config[EXTRA_CONFIG_KEY]
+    value = extra[EXTRA_CONFIG_KEY]
     if isinstance(value, str):
         return read_settings_file(value)
     if isinstance(value, Mapping):

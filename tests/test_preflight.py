@@ -6,6 +6,7 @@ import json
 import re
 import socket
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,8 @@ from sglang_ext.preflight import (
     check_model_path,
     check_port_free,
 )
-from sglang_ext.settings import CONFIG_ENV_VAR
+from sglang_ext.settings import CONFIG_ENV_VAR, EXTRA_CONFIG_KEY
+from tests.server_processes import TCP_TIME_WAIT, tcp_states_on_port
 
 
 def test_missing_model_folder(tmp_path: Path) -> None:
@@ -40,6 +42,29 @@ def test_port_in_use() -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
+        with pytest.raises(PreflightError, match="already in use"):
+            check_port_free("127.0.0.1", port)
+
+
+def test_time_wait_sockets_do_not_hold_the_port() -> None:
+    """What a crashed server leaves: its side of a connection it closed first, in TIME-WAIT."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server side closes first
+            client.recv(1)  # its FIN has arrived
+    assert TCP_TIME_WAIT in tcp_states_on_port(port)
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # what the check did before: a false "in use"
+    check_port_free("127.0.0.1", port)
+    with socket.socket() as holder:  # and a live listener on that port is still refused
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
         with pytest.raises(PreflightError, match="already in use"):
             check_port_free("127.0.0.1", port)
 
@@ -71,6 +96,24 @@ def test_launch_with_bad_setting(smollm2_path: Path, tmp_path: Path) -> None:
         ServerConfig(model_path=str(smollm2_path), port=free_port()), {CONFIG_ENV_VAR: str(bad)}
     )
     _assert_clear_error(result, "cpu_compat = 'maybe' is not allowed")
+
+
+@pytest.mark.server
+def test_launch_with_bad_setting_in_extra_config_file(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    """`--hicache-storage-backend-extra-config @file`: the settings inside the file count."""
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({EXTRA_CONFIG_KEY: {"chunk_max_tokens": 0}}))
+    config = ServerConfig(
+        model_path=str(tiny_llama_path),
+        port=free_port(),
+        extra_args=("--hicache-storage-backend-extra-config", f"@{extra}"),
+    )
+    started = time.monotonic()
+    result = _launch(config)
+    _assert_clear_error(result, "chunk_max_tokens = 0 must be positive")
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.server

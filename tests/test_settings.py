@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from sglang_ext.settings import (
     ExtensionSettings,
     SettingsError,
     load_settings,
+    read_extra_config,
     read_settings_file,
 )
 
@@ -79,3 +81,85 @@ def test_two_sources_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     monkeypatch.setenv(CONFIG_ENV_VAR, str(path))
     with pytest.raises(SettingsError, match="keep one"):
         load_settings({EXTRA_CONFIG_KEY: {}})
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("chunk_max_body_bytes = 0\n", "chunk_max_body_bytes = 0 must be positive"),
+        ("chunk_max_tokens = -5\n", "chunk_max_tokens = -5 must be positive"),
+        ("chunk_registrations_per_minute = -1\n", "must be >= 0 (0 = unlimited)"),
+        ('chunk_max_tokens = "many"\n', "should be of type int"),
+    ],
+)
+def test_bad_chunk_limits(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "ext.toml"
+    path.write_text(content)
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        read_settings_file(path)
+
+
+def test_chunk_limit_defaults() -> None:
+    settings = ExtensionSettings()
+    assert settings.chunk_max_body_bytes == 4 * 1024**2
+    assert settings.chunk_max_tokens == 32768
+    assert settings.chunk_registrations_per_minute == 120
+    assert ExtensionSettings(chunk_registrations_per_minute=0).chunk_registrations_per_minute == 0
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml", ".yaml"])
+def test_extra_config_from_at_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, suffix: str
+) -> None:
+    monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
+    path = tmp_path / f"extra{suffix}"
+    if suffix == ".toml":
+        path.write_text(f"prefetch_threshold = 64\n[{EXTRA_CONFIG_KEY}]\nchunk_max_tokens = 512\n")
+    else:  # JSON is also YAML
+        extra = {"prefetch_threshold": 64, EXTRA_CONFIG_KEY: {"chunk_max_tokens": 512}}
+        path.write_text(json.dumps(extra))
+    assert read_extra_config(f"@{path}")["prefetch_threshold"] == 64
+    assert load_settings(f"@{path}").chunk_max_tokens == 512
+
+
+def test_extra_config_at_file_naming_a_settings_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
+    settings = tmp_path / "ext.toml"
+    settings.write_text('cpu_compat = "off"\n')
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({EXTRA_CONFIG_KEY: str(settings)}))
+    assert load_settings(f"@{extra}").cpu_compat == "off"
+
+
+@pytest.mark.parametrize(
+    ("content", "name", "message"),
+    [
+        (
+            json.dumps({EXTRA_CONFIG_KEY: {"cpu_compat": "maybe"}}),
+            "extra.json",
+            "cpu_compat = 'maybe' is not allowed",
+        ),
+        ("{not json", "extra.json", "not valid JSON"),
+        ("a = ", "extra.toml", "not valid TOML"),
+        ("[1, 2]", "extra.json", "must be a JSON object"),
+        ("{}", "extra.ini", "use a .json, .toml or .yaml file"),
+    ],
+)
+def test_bad_at_file_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str, name: str, message: str
+) -> None:
+    monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        load_settings(f"@{path}")
+
+
+def test_missing_at_file_and_bad_inline_json_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="cannot read the file"):
+        read_extra_config(f"@{tmp_path / 'missing.json'}")
+    with pytest.raises(SettingsError, match="not valid JSON"):
+        read_extra_config("{'single': 'quotes'}")
+    assert read_extra_config(None) == read_extra_config("") == {}
