@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_ext.fused_prefill import FusionOptions, parse_options
+from sglang_ext.fusion_options import FusionOptions, parse_options
 from sglang_ext.settings import ExtensionSettings
 from sglang_ext.sglang_model_adapter import SGLangModelAdapter
 

@@ -13,7 +13,8 @@ import pytest
 from starlette.requests import Request
 
 from sglang_ext.chunks import REGISTER_PARAM, registering_chunk
-from sglang_ext.fused_prefill import parse_options, validate_request
+from sglang_ext.fused_prefill import validate_request
+from sglang_ext.fusion_options import parse_options
 from sglang_ext.radix_cache import _apply_ttl_request
 from sglang_ext.request_limits import RateLimiter, RequestRefused, parse_json, read_bounded_body
 from sglang_ext.settings import ExtensionSettings

@@ -14,10 +14,10 @@ from fusion_quality import chatml_prompt, documents_of  # noqa: E402
 
 from sglang_ext.chunks import ChunkRegistry  # noqa: E402
 from sglang_ext.datasets import HotpotQAExample  # noqa: E402
-from sglang_ext.fused_prefill import pinned_chunk_segments  # noqa: E402
 from sglang_ext.fusion import chunk_hash, precompute_chunk  # noqa: E402
 from sglang_ext.fusion.adapter import ModelAdapter  # noqa: E402
 from sglang_ext.fusion.request import Segment  # noqa: E402
+from sglang_ext.fusion_plan import pinned_chunk_segments  # noqa: E402
 
 
 def question_segments(
