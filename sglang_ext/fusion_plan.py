@@ -34,7 +34,7 @@ class FusionRuntime:
         self.requests: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         # Requests seen in a partial chunked-prefill round: never fused in a later round.
         self.split_requests: weakref.WeakSet[Any] = weakref.WeakSet()
-        # Admission: where the last chunk ends in each prompt (None: not fusable), recomputed
+        # Admission: where the first chunk starts in each prompt (None: not fusable), recomputed
         # when the set of registered chunks changes.
         self._admission: weakref.WeakKeyDictionary[Any, tuple[int, int | None]] = (
             weakref.WeakKeyDictionary()
@@ -59,7 +59,7 @@ class FusionRuntime:
         cached = self._admission.get(req)
         if cached is None or cached[0] != generation:
             options = options_of(self, req, count=False)
-            chunks_end: int | None = None
+            first_chunk: int | None = None
             if (
                 options is not None
                 and options.enabled
@@ -67,13 +67,13 @@ class FusionRuntime:
                 and _static_fallback_reason(req) is None
             ):
                 matches = self.registry.index.find(req.origin_input_ids)
-                chunks_end = matches[-1].prompt_end if matches else None
-            cached = (generation, chunks_end)
+                first_chunk = matches[0].prompt_start if matches else None
+            cached = (generation, first_chunk)
             self._admission[req] = cached
-        chunks_end = cached[1]
+        first_chunk = cached[1]
         return (
-            chunks_end is not None
-            and req.prefix_len < chunks_end
+            first_chunk is not None
+            and req.prefix_len <= first_chunk
             and req not in self.split_requests
         )
 
@@ -145,9 +145,11 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
             )
             if not plan.pinned:
                 plan.fallback = "no_chunk_matched"
-            elif prefix_len >= _chunks_end(plan.segments):
-                # The tree already holds exact KV for every chunk token (an earlier normal
-                # prefill of this prompt): nothing is left to fuse, the rest is computed exactly.
+            elif prefix_len > _first_chunk_start(plan.segments):
+                # The tree holds exact KV over chunk tokens (an earlier normal prefill of a
+                # prompt that starts the same way). The executor recomputes a prompt from its
+                # start, so fusing the rest would attend to approximate copies of rows the
+                # decode then reads exact: the rest is computed normally instead, exactly.
                 plan.release(rt.registry)
                 plan.fallback = "prefix_cached"
     if not any(plan.asked for plan in plans):
@@ -206,16 +208,14 @@ def _fallback_reason(rt: FusionRuntime, req: Any, prefix_len: int, extend_len: i
     return None
 
 
-def _chunks_end(segments: list[Segment]) -> int:
-    """Prompt position just after the last chunk token."""
-    position = end = 0
+def _first_chunk_start(segments: list[Segment]) -> int:
+    """Prompt position of the first chunk token."""
+    position = 0
     for segment in segments:
-        position += (
-            len(segment.token_ids) if isinstance(segment, TextSegment) else segment.chunk.num_tokens
-        )
         if isinstance(segment, ChunkSegment):
-            end = position
-    return end
+            break
+        position += len(segment.token_ids)
+    return position
 
 
 def _extend_tokens_agree(forward_batch: Any, plans: list[RequestPlan]) -> bool:
