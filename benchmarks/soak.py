@@ -74,6 +74,7 @@ from sglang_ext.launcher import (  # noqa: E402
     free_port,
     running_server,
 )
+from sglang_ext.storage_backend import disk_tier_extra_config  # noqa: E402
 
 # Request mix of the worker threads (relative weights).
 WEIGHTS: dict[str, float] = {
@@ -140,6 +141,7 @@ STORAGE_SERIES_KEYS = (
     "expired",
     "corrupt_pages",
     "write_errors",
+    "io_errors",
     "rejected_writes",
 )
 
@@ -1382,11 +1384,7 @@ def main() -> int:
     examples = load_hotpotqa(400, seed=11)
     workdir = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     disk_extra = {
-        "backend_name": "hicache_ext_disk",
-        "module_path": "sglang_ext.storage_backend",
-        "class_name": "KaretoDiskStorage",
-        "interface_v1": 1,
-        "disk_dir": str(workdir / "disk"),
+        **disk_tier_extra_config(str(workdir / "disk")),
         "capacity_bytes": args.disk_capacity_mb * 2**20,
         "disk_budget_bytes": (args.disk_budget_mb or args.disk_capacity_mb) * 2**20,
         "ttl_policy": "group",

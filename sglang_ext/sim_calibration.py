@@ -31,6 +31,7 @@ import numpy as np
 import requests
 
 from sglang_ext.launcher import ServerConfig, flush_cache, free_port, running_server
+from sglang_ext.storage_backend import disk_tier_extra_config
 from tuning.cost import GB
 from tuning.sim.calibrate import DecodeSample, PrefillSample, fit_profile
 from tuning.sim.config import DiskConfig, SimConfig
@@ -109,11 +110,7 @@ def server_config(
             "--hicache-storage-backend-extra-config",
             json.dumps(
                 {
-                    "backend_name": "hicache_ext_disk",
-                    "module_path": "sglang_ext.storage_backend",
-                    "class_name": "KaretoDiskStorage",
-                    "interface_v1": 1,
-                    "disk_dir": str(disk_dir),
+                    **disk_tier_extra_config(str(disk_dir)),
                     "capacity_bytes": 50e9,
                     "ttl_policy": "static",
                     "initial_ttl_s": disk_ttl_s,

@@ -545,6 +545,19 @@ class KaretoDiskStorage(HiCacheStorage):
                 self._save_history()
 
 
+def disk_tier_extra_config(disk_dir: str | Path, **options: Any) -> dict[str, Any]:
+    """`--hicache-storage-backend-extra-config` (as a dict, to pass as JSON) that loads this
+    backend through SGLang's dynamic factory, with our `DiskTierOptions` as keyword options."""
+    return {
+        "backend_name": BACKEND_NAME,
+        "module_path": MODULE_PATH,
+        "class_name": KaretoDiskStorage.__name__,
+        "interface_v1": 1,
+        "disk_dir": str(disk_dir),
+        **options,
+    }
+
+
 def _write_info(extra_info: Any) -> PageWriteInfo | None:
     extra = getattr(extra_info, "extra_info", None) or {}
     info = extra.get(WRITE_INFO_KEY)

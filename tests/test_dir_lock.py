@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from sglang_ext.storage_backend import disk_tier_extra_config
 from tiers.dir_lock import DirectoryLock, DirectoryLockedError, holder_pid
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,11 +109,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
 
 def _disk_tier_args(disk_dir: Path) -> SimpleNamespace:
     extra = {
-        "backend_name": "hicache_ext_disk",
-        "module_path": "sglang_ext.storage_backend",
-        "class_name": "KaretoDiskStorage",
-        "interface_v1": 1,
-        "disk_dir": str(disk_dir),
+        **disk_tier_extra_config(str(disk_dir)),
     }
     return SimpleNamespace(
         hicache_storage_backend="dynamic",

@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from sglang_ext.launcher import ServerConfig, free_port, running_server
+from sglang_ext.storage_backend import disk_tier_extra_config
 from tests.conftest import E2E_DEVICE_TOKENS, generate
 from tests.test_server_disk_tier import _prompt, _set_ttls, _status
 
@@ -25,11 +26,7 @@ pytestmark = pytest.mark.server
 
 def _config(model_path: Path, disk_dir: Path) -> ServerConfig:
     extra = {
-        "backend_name": "hicache_ext_disk",
-        "module_path": "sglang_ext.storage_backend",
-        "class_name": "KaretoDiskStorage",
-        "interface_v1": 1,
-        "disk_dir": str(disk_dir),
+        **disk_tier_extra_config(str(disk_dir)),
         "capacity_bytes": 2e9,
         "ttl_policy": "group",
         "ttl_groups": 2,

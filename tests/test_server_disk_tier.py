@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from sglang_ext.launcher import ServerConfig, flush_cache, free_port, running_server
+from sglang_ext.storage_backend import disk_tier_extra_config
 from tests.conftest import E2E_DEVICE_TOKENS, generate
 
 pytestmark = pytest.mark.server
@@ -28,11 +29,7 @@ def disk_server(
 ) -> Iterator[ServerConfig]:
     workdir = tmp_path_factory.mktemp("disk_tier")
     extra = {
-        "backend_name": "hicache_ext_disk",
-        "module_path": "sglang_ext.storage_backend",
-        "class_name": "KaretoDiskStorage",
-        "interface_v1": 1,
-        "disk_dir": str(workdir / "disk"),
+        **disk_tier_extra_config(str(workdir / "disk")),
         "capacity_bytes": 2e9,
         "ttl_policy": "group",
         "ttl_groups": 2,

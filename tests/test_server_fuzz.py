@@ -20,6 +20,7 @@ import requests
 from sglang_ext.chunks import REGISTER_PARAM
 from sglang_ext.launcher import ServerConfig, free_port, generate, running_server
 from sglang_ext.settings import EXTRA_CONFIG_KEY
+from sglang_ext.storage_backend import disk_tier_extra_config
 
 pytestmark = pytest.mark.server
 
@@ -43,11 +44,7 @@ def fuzz_server(
 ) -> Iterator[ServerConfig]:
     workdir = tmp_path_factory.mktemp("fuzz")
     extra = {
-        "backend_name": "hicache_ext_disk",
-        "module_path": "sglang_ext.storage_backend",
-        "class_name": "KaretoDiskStorage",
-        "interface_v1": 1,
-        "disk_dir": str(workdir / "disk"),
+        **disk_tier_extra_config(str(workdir / "disk")),
         "capacity_bytes": 2e8,
         "ttl_groups": 2,
         "ttl_period_s": 3600,

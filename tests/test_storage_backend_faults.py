@@ -23,7 +23,11 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 import tiers.disk_store as disk_store
-from sglang_ext.storage_backend import HISTORY_FILE_NAME, KaretoDiskStorage
+from sglang_ext.storage_backend import (
+    HISTORY_FILE_NAME,
+    KaretoDiskStorage,
+    disk_tier_extra_config,
+)
 from tiers.dir_lock import DirectoryLockedError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,11 +55,7 @@ class HostPool:
 
 def storage_config(disk_dir: Path, **options: Any) -> HiCacheStorageConfig:
     extra = {
-        "backend_name": "hicache_ext_disk",
-        "module_path": "sglang_ext.storage_backend",
-        "class_name": "KaretoDiskStorage",
-        "interface_v1": 1,
-        "disk_dir": str(disk_dir),
+        **disk_tier_extra_config(str(disk_dir)),
         "capacity_bytes": 1e6,
         "ttl_period_s": 3600,
         **options,
