@@ -8,7 +8,6 @@ accesses recorded before (and can plan from them without a new request).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -16,37 +15,15 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_ext.launcher import ServerConfig, free_port, running_server
-from sglang_ext.storage_backend import disk_tier_extra_config
-from tests.conftest import E2E_DEVICE_TOKENS, generate
-from tests.test_server_disk_tier import _prompt, _set_ttls, _status
+from sglang_ext.launcher import ServerConfig, running_server
+from tests.conftest import generate
+from tests.test_server_disk_tier import _prompt, _set_ttls, _status, disk_tier_config
 
 pytestmark = pytest.mark.server
 
 
 def _config(model_path: Path, disk_dir: Path) -> ServerConfig:
-    extra = {
-        **disk_tier_extra_config(str(disk_dir)),
-        "capacity_bytes": 2e9,
-        "ttl_policy": "group",
-        "ttl_groups": 2,
-        "ttl_period_s": 3600,  # plans are triggered by the test
-        "ttl_history_save_s": 1,
-        "purge_interval_s": 0.5,
-    }
-    return ServerConfig(
-        model_path=str(model_path),
-        port=free_port(),
-        max_total_tokens=E2E_DEVICE_TOKENS,
-        hierarchical_cache=True,
-        hicache_storage_backend="dynamic",
-        extra_args=(
-            "--hicache-ratio",
-            "4",
-            "--hicache-storage-backend-extra-config",
-            json.dumps(extra),
-        ),
-    )
+    return disk_tier_config(model_path, disk_dir, ttl_history_save_s=1)
 
 
 def _wait_saved(url: str, timeout_s: float = 30.0) -> dict:

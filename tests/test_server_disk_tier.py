@@ -23,22 +23,21 @@ pytestmark = pytest.mark.server
 SYSTEM = "You are a careful archivist. Answer from the records below, briefly. " * 6
 
 
-@pytest.fixture(scope="module")
-def disk_server(
-    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerConfig]:
-    workdir = tmp_path_factory.mktemp("disk_tier")
-    extra = {
-        **disk_tier_extra_config(str(workdir / "disk")),
-        "capacity_bytes": 2e9,
-        "ttl_policy": "group",
-        "ttl_groups": 2,
-        "ttl_period_s": 3600,  # plans are triggered by the tests
-        "initial_ttl_s": 600,
-        "purge_interval_s": 0.5,
-    }
-    config = ServerConfig(
-        model_path=str(smollm2_path),
+def disk_tier_config(model_path: Path, disk_dir: Path, **options: object) -> ServerConfig:
+    """SmolLM2 with our disk tier: 2 GB, group TTLs over 2 groups, plans triggered by the tests."""
+    extra = disk_tier_extra_config(
+        disk_dir,
+        **{
+            "capacity_bytes": 2e9,
+            "ttl_policy": "group",
+            "ttl_groups": 2,
+            "ttl_period_s": 3600,
+            "purge_interval_s": 0.5,
+            **options,
+        },
+    )
+    return ServerConfig(
+        model_path=str(model_path),
         port=free_port(),
         max_total_tokens=E2E_DEVICE_TOKENS,
         hierarchical_cache=True,
@@ -50,6 +49,14 @@ def disk_server(
             json.dumps(extra),
         ),
     )
+
+
+@pytest.fixture(scope="module")
+def disk_server(
+    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerConfig]:
+    workdir = tmp_path_factory.mktemp("disk_tier")
+    config = disk_tier_config(smollm2_path, workdir / "disk", initial_ttl_s=600)
     with running_server(config, log_path=workdir / "server.log") as running:
         yield running
 
