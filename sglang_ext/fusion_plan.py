@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import weakref
 from collections import Counter
 from typing import Any
@@ -42,7 +41,6 @@ class FusionRuntime:
         self.counters: Counter[str] = Counter()
         self._adapter: SGLangModelAdapter | None = None
         self._adapter_error: str | None = None
-        self._lock = threading.Lock()
 
     def adapter(self, runner: Any) -> SGLangModelAdapter | None:
         if self._adapter is None and self._adapter_error is None:
