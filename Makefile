@@ -27,7 +27,7 @@ $(STAMP): requirements/cpu.lock requirements/constraints.txt pyproject.toml deve
 	$(PY) -m pip install -q -c requirements/constraints.txt -r requirements/cpu.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) devenv/install_stubs.py
-	$(PY) -c "import sglang.launch_server, sglang_ext.plugin; print('CPU environment ready')"
+	$(PY) -c "import sglang.launch_server, sglang_hicache_ext.sglang_ext.plugin; print('CPU environment ready')"
 	touch $@
 
 models: $(MODELS_STAMP)

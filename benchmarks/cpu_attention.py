@@ -23,15 +23,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.datasets import load_hotpotqa  # noqa: E402
-from sglang_ext.launcher import (  # noqa: E402
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
+from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     flush_cache,
     free_port,
     generate,
     running_server,
 )
+
+from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
 
 BACKENDS = ("torch_native", "torch_position")
 

@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
-from sglang_ext.fusion.executor import fused_prefill, precompute_chunk  # noqa: E402
-from sglang_ext.fusion.request import ChunkSegment, Segment, TextSegment  # noqa: E402
-from sglang_ext.fusion.selectors import make_selector  # noqa: E402
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
+from sglang_hicache_ext.fusion.executor import fused_prefill, precompute_chunk  # noqa: E402
+from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment  # noqa: E402
+from sglang_hicache_ext.fusion.selectors import make_selector  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 FUSED_SELECTORS = ("a3", "freq", "cacheblend", "epic", "reuse")

@@ -26,11 +26,17 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity, f1_score  # noqa: E402
+from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa  # noqa: E402
+from sglang_hicache_ext.sglang_ext.frontend import register_documents  # noqa: E402
+from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
+    ServerConfig,
+    flush_cache,
+    free_port,
+    running_server,
+)
+
 from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.datasets import HotpotQAExample, load_hotpotqa  # noqa: E402
-from sglang_ext.frontend import register_documents  # noqa: E402
-from sglang_ext.launcher import ServerConfig, flush_cache, free_port, running_server  # noqa: E402
-from sglang_ext.metrics import embedding_similarity, f1_score  # noqa: E402
 
 SELECTORS = ("a3", "freq", "cacheblend", "epic", "random")
 RATIOS = (0.05, 0.15, 0.3)

@@ -23,10 +23,16 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
+from sglang_hicache_ext.sglang_ext.frontend import register_documents  # noqa: E402
+from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
+    ServerConfig,
+    flush_cache,
+    free_port,
+    running_server,
+)
+
 from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.datasets import load_hotpotqa  # noqa: E402
-from sglang_ext.frontend import register_documents  # noqa: E402
-from sglang_ext.launcher import ServerConfig, flush_cache, free_port, running_server  # noqa: E402
 
 MODES: dict[str, dict[str, object]] = {
     "normal": {},

@@ -21,16 +21,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tuning.pareto.adaptive import adaptive_search  # noqa: E402
-from tuning.pareto.cli import write_frontier  # noqa: E402
-from tuning.pareto.evaluator import Evaluator, Workload, objective_matrix  # noqa: E402
-from tuning.pareto.front import pareto_mask  # noqa: E402
-from tuning.pareto.grid import grid_search  # noqa: E402
-from tuning.pareto.hypervolume import hypervolume, reference_point  # noqa: E402
-from tuning.pareto.plan import adaptive_settings, grid_space  # noqa: E402
-from tuning.pareto.space import Point  # noqa: E402
-from tuning.sim.simulator import simulate  # noqa: E402
-from tuning.sim.trace import CONVERSATION_TRACE, load_requests  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.cli import write_frontier  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.evaluator import Evaluator, Workload, objective_matrix  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.front import pareto_mask  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.grid import grid_search  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.plan import adaptive_settings, grid_space  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.space import Point  # noqa: E402
+from sglang_hicache_ext.tuning.sim.simulator import simulate  # noqa: E402
+from sglang_hicache_ext.tuning.sim.trace import CONVERSATION_TRACE, load_requests  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 

@@ -66,15 +66,16 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.datasets import HotpotQAExample, load_hotpotqa  # noqa: E402
-from sglang_ext.launcher import (  # noqa: E402
+from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa  # noqa: E402
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config  # noqa: E402
+from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     ServerStartError,
     free_port,
     running_server,
 )
-from sglang_ext.storage_backend import disk_tier_extra_config  # noqa: E402
+
+from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
 
 # Request mix of the worker threads (relative weights).
 WEIGHTS: dict[str, float] = {
@@ -217,7 +218,7 @@ def group_rss(pgid: int) -> dict[int, int]:
 
 def key_paths(root: Path) -> dict[str, Path]:
     """Page key -> file, from the page headers (read from outside the server)."""
-    from tiers.page_file import read_header
+    from sglang_hicache_ext.tiers.page_file import read_header
 
     paths = {}
     for path in root.rglob("*.page"):
@@ -232,7 +233,7 @@ def fault_targets(root: Path, pages: list[dict[str, Any]], now: float) -> list[P
     the requests after the fault read them while still live. `pages` is the store's own page
     list (`GET /hicache_ext/storage?pages=N`); a file is matched to it by the key in its header.
     Without usable headers: the most recently accessed files (mtime = last access) first."""
-    from tiers.page_file import read_header
+    from sglang_hicache_ext.tiers.page_file import read_header
 
     info = {p.get("key"): p for p in pages if isinstance(p, dict)}
     scored = []

@@ -30,15 +30,15 @@ from scipy.optimize import brentq  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tiers.ttl_policy import TtlTable  # noqa: E402
-from tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, StaticTtlPlanner  # noqa: E402
-from tuning.ttl.replay import (  # noqa: E402
+from sglang_hicache_ext.tiers.ttl_policy import TtlTable  # noqa: E402
+from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, StaticTtlPlanner  # noqa: E402
+from sglang_hicache_ext.tuning.ttl.replay import (  # noqa: E402
     DEFAULT_BYTES_PER_TOKEN,
     ReplayConfig,
     ReplayResult,
     replay,
 )
-from tuning.ttl.trace import TraceRequest, load_trace  # noqa: E402
+from sglang_hicache_ext.tuning.ttl.trace import TraceRequest, load_trace  # noqa: E402
 
 # shared/ sits beside the checkout (developers and CI alike).
 TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -20,17 +20,18 @@ sys.path.insert(0, str(REPO))
 
 import random  # noqa: E402
 
-from examples.rag_pipeline import ask, connect  # noqa: E402
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.datasets import load_hotpotqa  # noqa: E402
-from sglang_ext.frontend import register_documents  # noqa: E402
-from sglang_ext.launcher import (  # noqa: E402
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
+from sglang_hicache_ext.sglang_ext.frontend import register_documents  # noqa: E402
+from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     ServerStartError,
     flush_cache,
     free_port,
     running_server,
 )
+
+from examples.rag_pipeline import ask, connect  # noqa: E402
+from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
 
 
 def main() -> int:

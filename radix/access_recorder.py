@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from radix.groups import SubtreeGrouping, select_top_subtrees
-from radix.shared_prefix import DEFAULT_MIN_SHARE, find_shared_prefix, subtree_roots
+from sglang_hicache_ext.radix.groups import SubtreeGrouping, select_top_subtrees
+from sglang_hicache_ext.radix.shared_prefix import (
+    DEFAULT_MIN_SHARE,
+    find_shared_prefix,
+    subtree_roots,
+)
 
 
 class GroupReuse(NamedTuple):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from radix.shared_prefix import subtree_roots
+from sglang_hicache_ext.radix.shared_prefix import subtree_roots
 
 RESIDUAL_GROUP = "residual"
 SHARED_PREFIX_GROUP = "shared-prefix"

@@ -1,4 +1,4 @@
-"""SGLang plugin entry point (`sglang.srt.plugins`: `hicache_ext = sglang_ext.plugin:register`).
+"""SGLang plugin entry point (`sglang.srt.plugins`: `hicache_ext = sglang_hicache_ext.sglang_ext.plugin:register`).
 
 `register()` runs in every SGLang process before the server arguments are parsed. It makes
 `--radix-cache-backend hicache_ext` and `--attention-backend torch_position` available,
@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from sglang_ext import (
-    attention_backend,
-    cpu_compat,
-    fused_prefill,
-    http_routes,
-    preflight,
-    radix_cache,
+from sglang_hicache_ext.sglang_ext import radix_cache
+from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
+from sglang_hicache_ext.sglang_ext.cpu import compat as cpu_compat
+from sglang_hicache_ext.sglang_ext.cpu import position_attention as attention_backend
+from sglang_hicache_ext.sglang_ext.server import http_routes, preflight
+from sglang_hicache_ext.sglang_ext.server.settings import (
+    ExtensionSettings,
+    SettingsError,
+    load_settings,
 )
-from sglang_ext.settings import ExtensionSettings, SettingsError, load_settings
 
 logger = logging.getLogger(__name__)
 

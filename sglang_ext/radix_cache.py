@@ -13,11 +13,14 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from sglang_ext import fused_prefill
-from sglang_ext.chunks import CONTROL_PREFIX, ChunkRegistry, registration_id
-from sglang_ext.fusion.rope import rope_spec_from_config
-from sglang_ext.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.fusion.rope import rope_spec_from_config
+from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
+    CONTROL_PREFIX,
+    ChunkRegistry,
+    registration_id,
+)
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -43,7 +46,7 @@ def cache_class() -> type:
             settings: ExtensionSettings = ExtensionSettings()
             chunks: ChunkRegistry | None = None
             chunks_unavailable: str = "not initialised"
-            disk_tier: Any = None  # sglang_ext.storage_backend.KaretoDiskStorage when in use
+            disk_tier: Any = None  # sglang_hicache_ext.sglang_ext.disk_tier.storage_backend.KaretoDiskStorage when in use
             _recorded_rids: OrderedDict[str, None] | None = None
 
             def match_prefix(self, params: Any) -> Any:
@@ -144,7 +147,7 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
 
 
 def _install_disk_tier(cache: Any) -> Any:
-    from sglang_ext import ttl_controller
+    from sglang_hicache_ext.sglang_ext.disk_tier import controller as ttl_controller
 
     return ttl_controller.install(cache)
 
@@ -214,7 +217,7 @@ def _handle_storage_control(scheduler: Any, recv_req: Any) -> None:
             raise RuntimeError(
                 "the disk tier is not in use (start with --radix-cache-backend hicache_ext, "
                 "--enable-hierarchical-cache and --hicache-storage-backend dynamic with "
-                "sglang_ext.storage_backend.KaretoDiskStorage)"
+                "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend.KaretoDiskStorage)"
             )
         if name == "status":
             response = disk_tier.status(pages=int(body.get("pages", 0)))
@@ -233,7 +236,7 @@ def _apply_ttl_request(disk_tier: Any, body: dict[str, Any]) -> dict[str, Any]:
     string for a number, a bool for a number or a number for a bool, is a ValueError (400)."""
     import math
 
-    from tiers.ttl_policy import TtlTable
+    from sglang_hicache_ext.tiers.ttl_policy import TtlTable
 
     usage = 'send {"replan": true} or {"default_ttl_s": S, "ttls": {group: S}}'
     unknown = sorted(set(body) - {"replan", "default_ttl_s", "ttls"})

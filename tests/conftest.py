@@ -11,8 +11,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
+    ServerConfig,
+    free_port,
+    generate,
+    running_server,
+)
+
 from scripts.prepare_models import SMOLLM2, TINY_LLAMA, TINY_QWEN2, prepare  # noqa: E402
-from sglang_ext.launcher import ServerConfig, free_port, generate, running_server  # noqa: E402
 
 __all__ = ["E2E_DEVICE_TOKENS", "generate"]
 

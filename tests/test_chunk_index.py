@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from radix.chunk_index import ChunkIndex, ChunkMatch
+from sglang_hicache_ext.radix.chunk_index import ChunkIndex, ChunkMatch
 
 
 def _random_tokens(rng: random.Random, n: int) -> list[int]:

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from tiers.chunk_store import ChunkStore, StoreFullError
+from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def test_capacity_never_exceeded_under_concurrent_puts() -> None:
 
 
 def test_precomputed_chunk_sizes_itself(tiny_llama_path) -> None:
-    from sglang_ext.fusion import PrecomputedChunk
+    from sglang_hicache_ext.fusion import PrecomputedChunk
 
     n, layers = 12, 3
     keys = tuple(torch.zeros(n, 2, 16) for _ in range(layers))

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from sglang_ext.cpu_compat import _unpinned_host_pool, transfer_kv_direct_torch
+from sglang_hicache_ext.sglang_ext.cpu.compat import _unpinned_host_pool, transfer_kv_direct_torch
 
 
 def test_transfer_copies_rows_per_layer() -> None:

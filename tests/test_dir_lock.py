@@ -15,9 +15,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-from sglang_ext.storage_backend import disk_tier_extra_config
-from tiers.dir_lock import DirectoryLock, DirectoryLockedError, holder_pid
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
+from sglang_hicache_ext.tiers.dir_lock import DirectoryLock, DirectoryLockedError, holder_pid
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "test.lock"
@@ -78,7 +77,7 @@ HOLDER = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {repo!r})
-    from tiers.dir_lock import DirectoryLock
+    from sglang_hicache_ext.tiers.dir_lock import DirectoryLock
     lock = DirectoryLock({directory!r}, {name!r})
     print("held", flush=True)
     sys.stdin.read()
@@ -120,8 +119,8 @@ def _disk_tier_args(disk_dir: Path) -> SimpleNamespace:
 
 def test_preflight_refuses_a_disk_dir_claimed_by_another_live_server(tmp_path: Path) -> None:
     # Imported here: spawned children import this module, and need not load SGLang.
-    from sglang_ext import storage_backend
-    from sglang_ext.preflight import PreflightError, check_disk_tier
+    from sglang_hicache_ext.sglang_ext.disk_tier import storage_backend
+    from sglang_hicache_ext.sglang_ext.server.preflight import PreflightError, check_disk_tier
 
     disk_dir = tmp_path / "disk"
     disk_dir.mkdir()

@@ -8,11 +8,10 @@ import threading
 from pathlib import Path
 
 import pytest
-
-import tiers.page_file as page_file
-from tiers.disk_store import DiskStore
-from tiers.page_file import TEMP_SUFFIX
-from tiers.ttl_policy import TtlPolicy, TtlTable
+import sglang_hicache_ext.tiers.page_file as page_file
+from sglang_hicache_ext.tiers.disk_store import DiskStore
+from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
+from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
 
 
 class FakeClock:

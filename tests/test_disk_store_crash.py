@@ -10,9 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tiers.disk_store import DiskStore
-from tiers.page_file import TEMP_SUFFIX
-from tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tiers.disk_store import DiskStore
+from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
+from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE_BYTES = 256 * 1024

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import sglang_hicache_ext.tiers.disk_store as disk_store
+from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
+from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
 
-import tiers.disk_store as disk_store
 from tests.test_disk_store import FakeClock, make_store, page_files
-from tiers.dir_lock import DirectoryLockedError
-from tiers.page_file import TEMP_SUFFIX
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "k" * 64
@@ -186,9 +186,9 @@ OWNER = textwrap.dedent(
     import sys
     sys.path.insert(0, {repo!r})
     from pathlib import Path
-    from tiers.disk_store import DiskStore
-    from tiers.page_file import TEMP_SUFFIX
-    from tiers.ttl_policy import TtlPolicy, TtlTable
+    from sglang_hicache_ext.tiers.disk_store import DiskStore
+    from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
+    from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
     store = DiskStore({root!r}, 1 << 20, TtlPolicy(TtlTable(default_ttl=1e6)))
     assert store.put("kept", b"mine")
     # A write in flight: its temp file exists until the rename.

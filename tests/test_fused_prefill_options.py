@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from sglang_ext.fusion_options import FusionOptions, parse_options
-from sglang_ext.settings import ExtensionSettings
-from sglang_ext.sglang_model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 DEFAULTS = ExtensionSettings(
     fusion_by_default=False, fusion_selector="a3", fusion_recompute_ratio=0.15
@@ -25,7 +24,7 @@ def test_defaults_and_overrides() -> None:
 
 
 def test_frontend_sends_sink_tokens_only_when_set() -> None:
-    from sglang_ext.frontend import FusionRequest
+    from sglang_hicache_ext.sglang_ext.frontend import FusionRequest
 
     assert "fusion_sink_tokens" not in FusionRequest().custom_params()  # server default applies
     assert FusionRequest(sink_tokens=4).custom_params()["fusion_sink_tokens"] == 4

@@ -6,20 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_ext.fusion.attention import attend, position_causal_attention
-from sglang_ext.fusion.chunk import PrecomputedChunk
-from sglang_ext.fusion.executor import (
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
+from sglang_hicache_ext.fusion.attention import attend, position_causal_attention
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.executor import (
     fused_prefill,
     generate_greedy,
     precompute_chunk,
 )
-from sglang_ext.fusion.frequency import frequency_scores, low_pass
-from sglang_ext.fusion.request import ChunkSegment, TextSegment, build_layout
-from sglang_ext.fusion.rope import apply_rope
-from sglang_ext.fusion.selectors import A3Selector, SelectionContext, make_selector
+from sglang_hicache_ext.fusion.frequency import frequency_scores, low_pass
+from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
+from sglang_hicache_ext.fusion.rope import apply_rope
+from sglang_hicache_ext.fusion.selectors import A3Selector, SelectionContext, make_selector
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.executor import fused_prefill, precompute_chunk
+from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
+from sglang_hicache_ext.fusion.selectors import SELECTORS, make_selector
 from transformers import AutoModelForCausalLM
-
-from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_ext.fusion.chunk import PrecomputedChunk
-from sglang_ext.fusion.executor import fused_prefill, precompute_chunk
-from sglang_ext.fusion.request import ChunkSegment, TextSegment, build_layout
-from sglang_ext.fusion.selectors import SELECTORS, make_selector
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -104,7 +103,7 @@ def test_sink_tokens_come_first_within_budget(requests: dict, name: str) -> None
 
 def test_random_is_seeded() -> None:
     layout = build_layout([TextSegment((1,)), ChunkSegment(_fake_chunk(50)), TextSegment((2,))])
-    from sglang_ext.fusion.selectors import SelectionContext
+    from sglang_hicache_ext.fusion.selectors import SelectionContext
 
     a = make_selector("random", 0.3, seed=1).select(SelectionContext(layout))
     b = make_selector("random", 0.3, seed=1).select(SelectionContext(layout))

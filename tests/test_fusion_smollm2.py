@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
+from sglang_hicache_ext.fusion.executor import generate_greedy, precompute_chunk
+from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment
+from sglang_hicache_ext.fusion.rope import apply_rope
+from sglang_hicache_ext.fusion.selectors import make_selector
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_ext.fusion.executor import generate_greedy, precompute_chunk
-from sglang_ext.fusion.request import ChunkSegment, TextSegment
-from sglang_ext.fusion.rope import apply_rope
-from sglang_ext.fusion.selectors import make_selector
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

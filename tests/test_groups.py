@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from radix.access_recorder import AccessRecorder
-from radix.groups import (
+from sglang_hicache_ext.radix.access_recorder import AccessRecorder
+from sglang_hicache_ext.radix.groups import (
     RESIDUAL_GROUP,
     SHARED_PREFIX_GROUP,
     SubtreeGrouping,
     select_top_subtrees,
     subtree_group_name,
 )
-from radix.shared_prefix import find_shared_prefix, subtree_roots
+from sglang_hicache_ext.radix.shared_prefix import find_shared_prefix, subtree_roots
 
 
 def test_shared_prefix_stops_at_first_branching() -> None:

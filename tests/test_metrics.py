@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from sglang_ext.metrics import embedding_similarity, f1_score, normalize_answer
+from sglang_hicache_ext.evaluation.answer_quality import (
+    embedding_similarity,
+    f1_score,
+    normalize_answer,
+)
 
 
 def test_normalisation_and_f1() -> None:

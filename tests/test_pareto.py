@@ -12,18 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from tuning.cost import CostBreakdown
-from tuning.pareto.adaptive import AdaptiveSettings, adaptive_search
-from tuning.pareto.cli import main
-from tuning.pareto.evaluator import Evaluation, PointEvaluator
-from tuning.pareto.front import pareto_mask
-from tuning.pareto.grid import grid_search
-from tuning.pareto.hypervolume import hypervolume, reference_point
-from tuning.pareto.select import Constraints, select, sglang_flags
-from tuning.pareto.space import NO_DISK, Axis, Point, Space
-from tuning.sim.profile import Profile
-from tuning.sim.result import SimResult, TierHits
+from sglang_hicache_ext.tuning.cost import CostBreakdown
+from sglang_hicache_ext.tuning.pareto.adaptive import AdaptiveSettings, adaptive_search
+from sglang_hicache_ext.tuning.pareto.cli import main
+from sglang_hicache_ext.tuning.pareto.evaluator import Evaluation, PointEvaluator
+from sglang_hicache_ext.tuning.pareto.front import pareto_mask
+from sglang_hicache_ext.tuning.pareto.grid import grid_search
+from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point
+from sglang_hicache_ext.tuning.pareto.select import Constraints, select, sglang_flags
+from sglang_hicache_ext.tuning.pareto.space import NO_DISK, Axis, Point, Space
+from sglang_hicache_ext.tuning.sim.profile import Profile
+from sglang_hicache_ext.tuning.sim.result import SimResult, TierHits
 
 
 def test_pareto_filter_by_hand() -> None:
@@ -165,7 +164,7 @@ def test_selection_and_flags() -> None:
     assert disk["class_name"] == "KaretoDiskStorage" and disk["initial_ttl_s"] == 600
     assert disk["capacity_bytes"] == 1300e9
     # The printed options are ones our backend accepts (checked like a launch would).
-    from sglang_ext.storage_backend import DiskTierOptions
+    from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import DiskTierOptions
 
     assert DiskTierOptions.from_extra_config(disk).ttl_policy == "static"
     assert "--hicache-storage-backend" not in sglang_flags(cheap, Profile())

@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from sglang_ext.fusion.attention import gather_attend, position_causal_attention
+from sglang_hicache_ext.fusion.attention import gather_attend, position_causal_attention
 
 
 def reference_attention(q, k, v, q_pos, k_pos, scale):

@@ -11,15 +11,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from sglang_ext.launcher import ServerConfig, free_port
-from sglang_ext.preflight import (
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port
+from sglang_hicache_ext.sglang_ext.server.preflight import (
     PreflightError,
     check_disk_tier,
     check_model_path,
     check_port_free,
 )
-from sglang_ext.settings import CONFIG_ENV_VAR, EXTRA_CONFIG_KEY
+from sglang_hicache_ext.sglang_ext.server.settings import CONFIG_ENV_VAR, EXTRA_CONFIG_KEY
+
 from tests.server_processes import TCP_TIME_WAIT, tcp_states_on_port
 
 
@@ -142,7 +142,7 @@ def _disk_tier_args(extra: dict[str, object], radix: str = "hicache_ext") -> Sim
 
 DISK_TIER = {
     "backend_name": "hicache_ext_disk",
-    "module_path": "sglang_ext.storage_backend",
+    "module_path": "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend",
     "class_name": "KaretoDiskStorage",
     "interface_v1": 1,
     "prefetch_threshold": 64,  # SGLang's own keys are accepted

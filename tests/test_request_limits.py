@@ -10,14 +10,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_prefill import validate_request
+from sglang_hicache_ext.sglang_ext.chunk_fusion.options import parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import REGISTER_PARAM, registering_chunk
+from sglang_hicache_ext.sglang_ext.radix_cache import _apply_ttl_request
+from sglang_hicache_ext.sglang_ext.server.request_limits import (
+    RateLimiter,
+    RequestRefused,
+    parse_json,
+    read_bounded_body,
+)
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 from starlette.requests import Request
-
-from sglang_ext.chunks import REGISTER_PARAM, registering_chunk
-from sglang_ext.fused_prefill import validate_request
-from sglang_ext.fusion_options import parse_options
-from sglang_ext.radix_cache import _apply_ttl_request
-from sglang_ext.request_limits import RateLimiter, RequestRefused, parse_json, read_bounded_body
-from sglang_ext.settings import ExtensionSettings
 
 DEFAULTS = ExtensionSettings()
 
@@ -221,7 +225,7 @@ def test_ttl_request_good_forms() -> None:
 
 
 def test_chunk_token_bound_is_the_tightest_and_named() -> None:
-    from sglang_ext.http_routes import chunk_token_bound
+    from sglang_hicache_ext.sglang_ext.server.http_routes import chunk_token_bound
 
     assert chunk_token_bound(32768, 4096, 0, None) == (4095, "the model's context length 4096")
     assert chunk_token_bound(32768, 4096, 0, 2043)[0] == 2042

@@ -21,9 +21,8 @@ from typing import Any
 import pytest
 import requests
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
-
-from sglang_ext.chunks import REGISTER_PARAM
-from sglang_ext.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import REGISTER_PARAM
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 
 pytestmark = pytest.mark.server
 

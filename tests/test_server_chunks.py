@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-
-from sglang_ext.launcher import generate
+from sglang_hicache_ext.sglang_ext.server.launcher import generate
 
 pytestmark = pytest.mark.server
 
@@ -115,9 +114,12 @@ def test_probe_out_of_range_is_400(hicache_server) -> None:
 
 def test_chunk_longer_than_a_prefill_round(tiny_llama_path: Path, tmp_path: Path) -> None:
     """Chunked prefill checkpoints every round; the capture must wait for the whole chunk."""
+    from sglang_hicache_ext.sglang_ext.server.launcher import (
+        ServerConfig,
+        free_port,
+        running_server,
+    )
     from transformers import AutoTokenizer
-
-    from sglang_ext.launcher import ServerConfig, free_port, running_server
 
     config = ServerConfig(
         model_path=str(tiny_llama_path),

@@ -24,10 +24,9 @@ from typing import Any
 
 import pytest
 import requests
-
-from sglang_ext.datasets import load_hotpotqa
-from sglang_ext.fusion.selectors import SELECTORS
-from sglang_ext.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.fusion.selectors import SELECTORS
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 
 pytestmark = pytest.mark.server
 

@@ -13,9 +13,14 @@ from pathlib import Path
 
 import pytest
 import requests
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    flush_cache,
+    free_port,
+    running_server,
+)
 
-from sglang_ext.launcher import ServerConfig, flush_cache, free_port, running_server
-from sglang_ext.storage_backend import disk_tier_extra_config
 from tests.conftest import E2E_DEVICE_TOKENS, generate
 
 pytestmark = pytest.mark.server

@@ -16,11 +16,15 @@ from pathlib import Path
 
 import pytest
 import requests
-
-from sglang_ext.chunks import REGISTER_PARAM
-from sglang_ext.launcher import ServerConfig, free_port, generate, running_server
-from sglang_ext.settings import EXTRA_CONFIG_KEY
-from sglang_ext.storage_backend import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import REGISTER_PARAM
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    free_port,
+    generate,
+    running_server,
+)
+from sglang_hicache_ext.sglang_ext.server.settings import EXTRA_CONFIG_KEY
 
 pytestmark = pytest.mark.server
 

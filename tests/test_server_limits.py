@@ -16,9 +16,14 @@ from pathlib import Path
 
 import pytest
 import requests
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    free_port,
+    generate,
+    running_server,
+)
+from sglang_hicache_ext.sglang_ext.server.settings import EXTRA_CONFIG_KEY
 
-from sglang_ext.launcher import ServerConfig, free_port, generate, running_server
-from sglang_ext.settings import EXTRA_CONFIG_KEY
 from tests.server_processes import group_rss_bytes, server_process_group
 
 pytestmark = pytest.mark.server

@@ -6,8 +6,13 @@ from pathlib import Path
 
 import pytest
 import requests
-
-from sglang_ext.launcher import ServerConfig, flush_cache, free_port, generate, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    flush_cache,
+    free_port,
+    generate,
+    running_server,
+)
 
 pytestmark = pytest.mark.server
 

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from tiers.ttl_policy import TtlPolicy, TtlTable
-from tuning.cost import GB, disk_type
-from tuning.sim import (
+from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tuning.cost import GB, disk_type
+from sglang_hicache_ext.tuning.sim import (
     DiskConfig,
     Profile,
     SimConfig,
@@ -21,11 +20,11 @@ from tuning.sim import (
     load_requests,
     simulate,
 )
-from tuning.sim.calibrate import DecodeSample, PrefillSample, fit_profile
-from tuning.sim.channel import IoChannel
-from tuning.sim.disk import DiskTier
-from tuning.sim.lru import BlockLru
-from tuning.sim.occupancy import ttl_peak_blocks
+from sglang_hicache_ext.tuning.sim.calibrate import DecodeSample, PrefillSample, fit_profile
+from sglang_hicache_ext.tuning.sim.channel import IoChannel
+from sglang_hicache_ext.tuning.sim.disk import DiskTier
+from sglang_hicache_ext.tuning.sim.lru import BlockLru
+from sglang_hicache_ext.tuning.sim.occupancy import ttl_peak_blocks
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
 CONVERSATION = TRACE / "mooncake_conversation_trace.jsonl"

@@ -1,6 +1,6 @@
 """The fidelity machinery against a real CPU server, on a small slice where hits are exact.
 
-The full calibration and fidelity run is a benchmark (`python -m sglang_ext.sim_calibration`);
+The full calibration and fidelity run is a benchmark (`python -m sglang_hicache_ext.sglang_ext.tools.sim_calibration`);
 here a handful of multi-turn requests check that replay, hit accounting and the simulator agree.
 """
 
@@ -9,12 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from sglang_ext.sim_calibration import DEPLOYMENTS, _server, replay_on_server, server_config
-from tuning.sim.profile import Profile
-from tuning.sim.scaled_slice import SliceSpec, scale_slice
-from tuning.sim.simulator import simulate
-from tuning.sim.trace import SimRequest
+from sglang_hicache_ext.sglang_ext.tools.sim_calibration import (
+    DEPLOYMENTS,
+    _server,
+    replay_on_server,
+    server_config,
+)
+from sglang_hicache_ext.tuning.sim.profile import Profile
+from sglang_hicache_ext.tuning.sim.scaled_slice import SliceSpec, scale_slice
+from sglang_hicache_ext.tuning.sim.simulator import simulate
+from sglang_hicache_ext.tuning.sim.trace import SimRequest
 
 pytestmark = pytest.mark.server
 

@@ -19,16 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang_hicache_ext.tiers.disk_store as disk_store
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-import tiers.disk_store as disk_store
-from sglang_ext.storage_backend import (
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import (
     HISTORY_FILE_NAME,
     KaretoDiskStorage,
     disk_tier_extra_config,
 )
-from tiers.dir_lock import DirectoryLockedError
+from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE_SIZE = 4  # tokens per page

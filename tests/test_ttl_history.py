@@ -8,10 +8,8 @@ import zlib
 from pathlib import Path
 
 import pytest
-
-from radix.groups import RESIDUAL_GROUP
-from tests.test_ttl_online import FakeClock, _path, _planted
-from tuning.ttl.history_file import (
+from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP
+from sglang_hicache_ext.tuning.ttl.history_file import (
     MAGIC,
     HistoryFileError,
     encode_history,
@@ -19,7 +17,9 @@ from tuning.ttl.history_file import (
     save_history,
     stray_temp_files,
 )
-from tuning.ttl.online import OnlineTtl, OnlineTtlConfig
+from sglang_hicache_ext.tuning.ttl.online import OnlineTtl, OnlineTtlConfig
+
+from tests.test_ttl_online import FakeClock, _path, _planted
 
 CONFIG = OnlineTtlConfig(policy="group", top_k=2, disk_budget_bytes=14 * 1000.0, window_s=1e6)
 

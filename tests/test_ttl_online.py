@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from radix.groups import RESIDUAL_GROUP, SHARED_PREFIX_GROUP
-from tuning.ttl.online import OnlineTtl, OnlineTtlConfig
+from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP, SHARED_PREFIX_GROUP
+from sglang_hicache_ext.tuning.ttl.online import OnlineTtl, OnlineTtlConfig
 
 
 class FakeClock:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from tuning.ttl.optimiser import solve_fixed_ttl, solve_group_ttls
-from tuning.ttl.profile import GroupProfile, merge_profiles
-from tuning.ttl.profile_set import ProfileSet
+from sglang_hicache_ext.tuning.ttl.optimiser import solve_fixed_ttl, solve_group_ttls
+from sglang_hicache_ext.tuning.ttl.profile import GroupProfile, merge_profiles
+from sglang_hicache_ext.tuning.ttl.profile_set import ProfileSet
 
 # 3 unique pages, reuse intervals 1, 2, 2, 5 seconds.
 HAND = GroupProfile.build("g", np.array([5.0, 2.0, 1.0, 2.0]), unique_pages=3)

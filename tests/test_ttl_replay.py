@@ -8,14 +8,18 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-
-from radix.access_recorder import AccessRecorder
-from radix.groups import SubtreeGrouping
-from tiers.ttl_policy import TtlPolicy, TtlTable
-from tuning.ttl.cli import main
-from tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, PlannedTtls, TtlPlanner
-from tuning.ttl.replay import ReplayConfig, replay
-from tuning.ttl.trace import TraceRequest, load_trace
+from sglang_hicache_ext.radix.access_recorder import AccessRecorder
+from sglang_hicache_ext.radix.groups import SubtreeGrouping
+from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tuning.ttl.cli import main
+from sglang_hicache_ext.tuning.ttl.planner import (
+    FixedTtlPlanner,
+    GroupTtlPlanner,
+    PlannedTtls,
+    TtlPlanner,
+)
+from sglang_hicache_ext.tuning.ttl.replay import ReplayConfig, replay
+from sglang_hicache_ext.tuning.ttl.trace import TraceRequest, load_trace
 
 
 class ConstantPlanner(TtlPlanner):

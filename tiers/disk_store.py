@@ -6,13 +6,13 @@
   (A page overwritten while a reader still has the old file open frees its old bytes only when
   that reader closes it; the accounting counts the files reachable by name.)
   When full, pages are dropped in order of soonest expiry (expired ones first, by construction).
-- Crash safety: see `tiers.page_file`; on open the index is rebuilt from the files, stray temp
+- Crash safety: see `sglang_hicache_ext.tiers.page_file`; on open the index is rebuilt from the files, stray temp
   files and pages that fail the header check are removed (and counted); payload checksums are
   verified on every read, and a corrupt page is dropped instead of served.
 - Readers pin an entry: neither expiry nor eviction deletes it until the last reader is done.
 - After a restart, a page's expiry is recomputed from its last access (the file's mtime, which
   every read refreshes) and the TTL table of the new process.
-- Ownership: one open store per root, in one process at a time (`tiers.dir_lock`): opening must
+- Ownership: one open store per root, in one process at a time (`sglang_hicache_ext.tiers.dir_lock`): opening must
   delete stray temp files, which would otherwise be another store's writes in flight.
 - Faults: OS errors never escape `put`/`get`/`touch`/`purge_expired` (False / miss / 0, logged,
   counted); only invalid arguments (an empty key, a negative TTL) raise `ValueError`: those are
@@ -34,9 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from radix.groups import RESIDUAL_GROUP
-from tiers.dir_lock import DirectoryLock
-from tiers.page_file import (
+from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP
+from sglang_hicache_ext.tiers.dir_lock import DirectoryLock
+from sglang_hicache_ext.tiers.page_file import (
     PAGE_SUFFIX,
     TEMP_SUFFIX,
     CorruptPageError,
@@ -48,7 +48,7 @@ from tiers.page_file import (
     read_page,
     write_temp,
 )
-from tiers.ttl_policy import TtlPolicy
+from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -20,20 +20,20 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from in_process import question_segments  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.datasets import load_hotpotqa  # noqa: E402
-from sglang_ext.fusion import generate_greedy, make_selector  # noqa: E402
-from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
-from sglang_ext.fusion.selectors import (  # noqa: E402
+from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity  # noqa: E402
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
+from sglang_hicache_ext.fusion import generate_greedy, make_selector  # noqa: E402
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
+from sglang_hicache_ext.fusion.selectors import (  # noqa: E402
     A3Selector,
     CacheBlendSelector,
     SelectionContext,
     Selector,
     _top,
 )
-from sglang_ext.metrics import embedding_similarity  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
 
 RATIO = 0.15
 ANSWER_TOKENS = 16

@@ -11,13 +11,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from fusion_quality import chatml_prompt, documents_of  # noqa: E402
-
-from sglang_ext.chunks import ChunkRegistry  # noqa: E402
-from sglang_ext.datasets import HotpotQAExample  # noqa: E402
-from sglang_ext.fusion import chunk_hash, precompute_chunk  # noqa: E402
-from sglang_ext.fusion.adapter import ModelAdapter  # noqa: E402
-from sglang_ext.fusion.request import Segment  # noqa: E402
-from sglang_ext.fusion_plan import pinned_chunk_segments  # noqa: E402
+from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample  # noqa: E402
+from sglang_hicache_ext.fusion import chunk_hash, precompute_chunk  # noqa: E402
+from sglang_hicache_ext.fusion.adapter import ModelAdapter  # noqa: E402
+from sglang_hicache_ext.fusion.request import Segment  # noqa: E402
+from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments  # noqa: E402
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry  # noqa: E402
 
 
 def question_segments(

@@ -34,17 +34,17 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
 from in_process import question_segments  # noqa: E402
+from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity  # noqa: E402
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
+from sglang_hicache_ext.fusion import make_selector  # noqa: E402
+from sglang_hicache_ext.fusion.adapter import ModelAdapter  # noqa: E402
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
+from sglang_hicache_ext.fusion.executor import KVCache, decode_step, fused_prefill  # noqa: E402
+from sglang_hicache_ext.fusion.request import Segment  # noqa: E402
+from sglang_hicache_ext.fusion.selectors import Selector  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
-from sglang_ext.datasets import load_hotpotqa  # noqa: E402
-from sglang_ext.fusion import make_selector  # noqa: E402
-from sglang_ext.fusion.adapter import ModelAdapter  # noqa: E402
-from sglang_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
-from sglang_ext.fusion.executor import KVCache, decode_step, fused_prefill  # noqa: E402
-from sglang_ext.fusion.request import Segment  # noqa: E402
-from sglang_ext.fusion.selectors import Selector  # noqa: E402
-from sglang_ext.metrics import embedding_similarity  # noqa: E402
 
 ANSWER_TOKENS = 16
 RATIOS = (0.15, 0.3, 0.5, 0.7, 0.9)

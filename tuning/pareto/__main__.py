@@ -1,5 +1,5 @@
 import sys
 
-from tuning.pareto.cli import main
+from sglang_hicache_ext.tuning.pareto.cli import main
 
 sys.exit(main())

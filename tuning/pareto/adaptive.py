@@ -15,8 +15,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tuning.pareto.evaluator import Evaluation, PointEvaluator
-from tuning.pareto.space import NO_DISK, Point, Space
+from sglang_hicache_ext.tuning.pareto.evaluator import Evaluation, PointEvaluator
+from sglang_hicache_ext.tuning.pareto.space import NO_DISK, Point, Space
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`python -m tuning.pareto`: search the storage configuration space of a trace, write the
+"""`python -m sglang_hicache_ext.tuning.pareto`: search the storage configuration space of a trace, write the
 frontier (JSON + PNG) and print the configurations meeting the constraints."""
 
 from __future__ import annotations
@@ -11,23 +11,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tuning.cost import DISK_TYPES
-from tuning.pareto.adaptive import adaptive_search
-from tuning.pareto.evaluator import Evaluation, Evaluator, Workload, objective_matrix
-from tuning.pareto.front import pareto_mask
-from tuning.pareto.grid import grid_search
-from tuning.pareto.hypervolume import hypervolume, reference_point
-from tuning.pareto.plan import DEFAULT_DISKS, adaptive_settings, grid_space
-from tuning.pareto.plot import plot_frontier
-from tuning.pareto.select import Constraints, closest_miss, describe, select
-from tuning.sim.profile import Profile
-from tuning.sim.trace import TraceError
+from sglang_hicache_ext.tuning.cost import DISK_TYPES
+from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search
+from sglang_hicache_ext.tuning.pareto.evaluator import (
+    Evaluation,
+    Evaluator,
+    Workload,
+    objective_matrix,
+)
+from sglang_hicache_ext.tuning.pareto.front import pareto_mask
+from sglang_hicache_ext.tuning.pareto.grid import grid_search
+from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point
+from sglang_hicache_ext.tuning.pareto.plan import DEFAULT_DISKS, adaptive_settings, grid_space
+from sglang_hicache_ext.tuning.pareto.plot import plot_frontier
+from sglang_hicache_ext.tuning.pareto.select import Constraints, closest_miss, describe, select
+from sglang_hicache_ext.tuning.sim.profile import Profile
+from sglang_hicache_ext.tuning.sim.trace import TraceError
 
 INFEASIBLE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tuning.pareto", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sglang_hicache_ext.tuning.pareto", description=__doc__)
     parser.add_argument("--trace", required=True, type=Path, help="JSONL request trace")
     parser.add_argument("--instances", required=True, type=int, help="serving instances (GPUs)")
     parser.add_argument("--search", choices=("adaptive", "grid"), default="adaptive")

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-
-from tuning.cost import Pricing
-from tuning.pareto.space import Point
-from tuning.sim.profile import Profile
-from tuning.sim.result import SimResult
-from tuning.sim.simulator import simulate
-from tuning.sim.trace import SimRequest, load_requests
+from sglang_hicache_ext.tuning.cost import Pricing
+from sglang_hicache_ext.tuning.pareto.space import Point
+from sglang_hicache_ext.tuning.sim.profile import Profile
+from sglang_hicache_ext.tuning.sim.result import SimResult
+from sglang_hicache_ext.tuning.sim.simulator import simulate
+from sglang_hicache_ext.tuning.sim.trace import SimRequest, load_requests
 
 
 class Evaluation(NamedTuple):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tuning.pareto.evaluator import Evaluation, PointEvaluator
-from tuning.pareto.space import Space
+from sglang_hicache_ext.tuning.pareto.evaluator import Evaluation, PointEvaluator
+from sglang_hicache_ext.tuning.pareto.space import Space
 
 
 def grid_search(space: Space, evaluator: PointEvaluator) -> list[Evaluation]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tuning.pareto.adaptive import AdaptiveSettings
-from tuning.pareto.space import Axis, Space
+from sglang_hicache_ext.tuning.pareto.adaptive import AdaptiveSettings
+from sglang_hicache_ext.tuning.pareto.space import Axis, Space
 
 DEFAULT_DISKS = ("essd_pl1", "essd_pl2", "essd_pl3")
 

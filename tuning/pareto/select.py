@@ -7,9 +7,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tuning.pareto.evaluator import Evaluation
-from tuning.pareto.space import NO_DISK
-from tuning.sim.profile import Profile
+from sglang_hicache_ext.tuning.pareto.evaluator import Evaluation
+from sglang_hicache_ext.tuning.pareto.space import NO_DISK
+from sglang_hicache_ext.tuning.sim.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,10 @@ def sglang_flags(evaluation: Evaluation, profile: Profile) -> list[str]:
         # Storage I/O goes through the host pool: keep the smallest one SGLang accepts.
         flags += ["--enable-hierarchical-cache", "--hicache-ratio", "1.1"]
     if point.disk != NO_DISK:
-        # Our TTL disk tier (sglang_ext.storage_backend), one TTL for all pages as simulated.
+        # Our TTL disk tier (sglang_hicache_ext.sglang_ext.disk_tier.storage_backend), one TTL for all pages as simulated.
         disk = {
             "backend_name": "hicache_ext_disk",
-            "module_path": "sglang_ext.storage_backend",
+            "module_path": "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend",
             "class_name": "KaretoDiskStorage",
             "interface_v1": 1,
             "disk_dir": f"/mnt/{point.disk}",

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from tuning.cost import disk_type
-from tuning.sim.config import DiskConfig, SimConfig
+from sglang_hicache_ext.tuning.cost import disk_type
+from sglang_hicache_ext.tuning.sim.config import DiskConfig, SimConfig
 
 NO_DISK = "none"
 

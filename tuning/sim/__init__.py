@@ -1,10 +1,15 @@
 """Trace-driven simulator of SGLang serving with GPU, host-DRAM and disk KV tiers."""
 
-from tuning.sim.config import DiskConfig, SimConfig
-from tuning.sim.profile import Profile
-from tuning.sim.result import SimResult, TierHits
-from tuning.sim.simulator import simulate
-from tuning.sim.trace import CONVERSATION_TRACE, SimRequest, TraceError, load_requests
+from sglang_hicache_ext.tuning.sim.config import DiskConfig, SimConfig
+from sglang_hicache_ext.tuning.sim.profile import Profile
+from sglang_hicache_ext.tuning.sim.result import SimResult, TierHits
+from sglang_hicache_ext.tuning.sim.simulator import simulate
+from sglang_hicache_ext.tuning.sim.trace import (
+    CONVERSATION_TRACE,
+    SimRequest,
+    TraceError,
+    load_requests,
+)
 
 __all__ = [
     "CONVERSATION_TRACE",

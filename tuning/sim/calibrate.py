@@ -13,8 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 from scipy.optimize import nnls
-
-from tuning.sim.profile import Profile
+from sglang_hicache_ext.tuning.sim.profile import Profile
 
 
 class PrefillSample(NamedTuple):

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from tuning.cost import disk_type
+from sglang_hicache_ext.tuning.cost import disk_type
 
 DiskPolicy = Literal["ttl", "lru"]
 PrefetchPolicy = Literal["best_effort", "timeout"]

@@ -9,8 +9,8 @@ on one H100-80GB-like GPU:
 - KV: 128 KiB per token, 512-token blocks (64 MiB); of the ~56 GB left after weights and
   activations, 320k tokens hold running requests and 100k tokens keep unreferenced cached prefixes;
 - host -> GPU copies (DRAM hits, prefetched disk blocks) at 25 GB/s PCIe Gen5 effective;
-- the disk tier's bandwidth comes from its disk type (`tuning.cost`) unless `disk_bytes_s` is set.
-Replace them with measured figures via `Profile.from_json` or `tuning.sim.calibrate`.
+- the disk tier's bandwidth comes from its disk type (`sglang_hicache_ext.tuning.cost`) unless `disk_bytes_s` is set.
+Replace them with measured figures via `Profile.from_json` or `sglang_hicache_ext.tuning.sim.calibrate`.
 """
 
 from __future__ import annotations

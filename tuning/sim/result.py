@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from tuning.cost import CostBreakdown
+from sglang_hicache_ext.tuning.cost import CostBreakdown
 
 
 class TierHits(NamedTuple):

@@ -1,4 +1,4 @@
-"""`python -m tuning.ttl replay`: replay a trace under a disk budget and print JSON."""
+"""`python -m sglang_hicache_ext.tuning.ttl replay`: replay a trace under a disk budget and print JSON."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import math
 import sys
 from collections.abc import Sequence
 
-from tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner
-from tuning.ttl.replay import DEFAULT_BYTES_PER_TOKEN, ReplayConfig, replay
-from tuning.ttl.trace import load_trace
+from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner
+from sglang_hicache_ext.tuning.ttl.replay import DEFAULT_BYTES_PER_TOKEN, ReplayConfig, replay
+from sglang_hicache_ext.tuning.ttl.trace import load_trace
 
 GB = 1e9
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tuning.ttl")
+    parser = argparse.ArgumentParser(prog="python -m sglang_hicache_ext.tuning.ttl")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("replay", help="replay a trace through DRAM + TTL disk tiers")
     run.add_argument("--trace", required=True, help="JSONL trace (timestamp ms, hash_ids)")

@@ -1,10 +1,10 @@
 """Online TTLs for a live server: record accesses, re-plan every period, publish to the policy.
 
-The live counterpart of `tuning.ttl.replay --online`: each period's TTLs come only from the
+The live counterpart of `sglang_hicache_ext.tuning.ttl.replay --online`: each period's TTLs come only from the
 accesses of a sliding window before it (same planners, same `TtlPolicy`). Planning runs in a
 daemon thread on a snapshot of the window, so recording (called from the scheduler) never waits
 for the optimiser. `history()` / `restore()` carry the window, the page size and the last plan
-across a restart (`tuning.ttl.history_file` puts them on disk).
+across a restart (`sglang_hicache_ext.tuning.ttl.history_file` puts them on disk).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from radix.access_recorder import AccessRecorder
-from radix.groups import RESIDUAL_GROUP, SubtreeGrouping
-from tiers.ttl_policy import TtlPolicy, TtlTable
-from tuning.ttl.budget import average_pages
-from tuning.ttl.history_file import SavedPlan, TtlHistory
-from tuning.ttl.planner import (
+from sglang_hicache_ext.radix.access_recorder import AccessRecorder
+from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP, SubtreeGrouping
+from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tuning.ttl.budget import average_pages
+from sglang_hicache_ext.tuning.ttl.history_file import SavedPlan, TtlHistory
+from sglang_hicache_ext.tuning.ttl.planner import (
     FixedTtlPlanner,
     GroupTtlPlanner,
     PlannedTtls,

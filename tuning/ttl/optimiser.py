@@ -2,7 +2,7 @@
 
     max_t  sum_g H_g(t_g)   s.t.  sum_g C_g(t_g) <= B,  0 <= t_g <= max_ttl
 
-SLSQP climbs the smooth surrogate of H_g (see `tuning.ttl.profile`) with the exact, piecewise
+SLSQP climbs the smooth surrogate of H_g (see `sglang_hicache_ext.tuning.ttl.profile`) with the exact, piecewise
 linear C_g as constraint, from floor(sqrt(K)) + 1 starts: the per-group ROI-optimal TTLs scaled
 to the budget, then random log-normal perturbations of it. Two deterministic extra starts are
 added: the fixed-TTL solution (so the group answer is never worse than one TTL on the data it was
@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import brentq, minimize
-
-from tuning.ttl.profile import GroupProfile, merge_profiles
-from tuning.ttl.profile_set import ProfileSet
+from sglang_hicache_ext.tuning.ttl.profile import GroupProfile, merge_profiles
+from sglang_hicache_ext.tuning.ttl.profile_set import ProfileSet
 
 PERTURBATION_SIGMA = 0.5  # log-normal spread of the random starts around the scaled ROI point
 _SLSQP_OPTIONS = {"maxiter": 200, "ftol": 1e-9}

@@ -6,14 +6,13 @@ from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import numpy as np
-
-from radix.access_recorder import AccessRecorder, WindowStats
-from radix.groups import RESIDUAL_GROUP, SubtreeGrouping
-from tiers.ttl_policy import TtlTable
-from tuning.ttl.budget import page_seconds
-from tuning.ttl.optimiser import TtlSolution, solve_fixed_ttl, solve_group_ttls
-from tuning.ttl.profile import GroupProfile, merge_profiles
-from tuning.ttl.profile_set import ProfileSet
+from sglang_hicache_ext.radix.access_recorder import AccessRecorder, WindowStats
+from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP, SubtreeGrouping
+from sglang_hicache_ext.tiers.ttl_policy import TtlTable
+from sglang_hicache_ext.tuning.ttl.budget import page_seconds
+from sglang_hicache_ext.tuning.ttl.optimiser import TtlSolution, solve_fixed_ttl, solve_group_ttls
+from sglang_hicache_ext.tuning.ttl.profile import GroupProfile, merge_profiles
+from sglang_hicache_ext.tuning.ttl.profile_set import ProfileSet
 
 
 class PlannedTtls(NamedTuple):

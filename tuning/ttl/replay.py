@@ -2,7 +2,7 @@
 
 Model: every block access goes to DRAM first (LRU by bytes, optional), then to disk. Disk is
 write-through from DRAM: every accessed block is written to, or refreshed on, disk with the expiry
-given by `tiers.ttl_policy.TtlPolicy`, whatever tier served it. Hits are counted per block.
+given by `sglang_hicache_ext.tiers.ttl_policy.TtlPolicy`, whatever tier served it. Hits are counted per block.
 Disk bytes are integrated exactly: after each access a block occupies the disk until
 min(expiry, its next access, end of trace).
 
@@ -18,14 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
-
-from radix.access_recorder import AccessRecorder
-from radix.groups import SubtreeGrouping
-from tiers.ttl_policy import TtlPolicy, TtlTable
-from tuning.ttl.budget import average_pages
-from tuning.ttl.dram_lru import DramLru
-from tuning.ttl.planner import PlannedTtls, TtlPlanner
-from tuning.ttl.trace import TraceRequest
+from sglang_hicache_ext.radix.access_recorder import AccessRecorder
+from sglang_hicache_ext.radix.groups import SubtreeGrouping
+from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tuning.ttl.budget import average_pages
+from sglang_hicache_ext.tuning.ttl.dram_lru import DramLru
+from sglang_hicache_ext.tuning.ttl.planner import PlannedTtls, TtlPlanner
+from sglang_hicache_ext.tuning.ttl.trace import TraceRequest
 
 # KV bytes of one token for a Llama-3-8B-like model in fp16:
 # 32 layers x 2 (K and V) x 8 KV heads x 128 head dim x 2 bytes = 128 KiB; a 512-token block is

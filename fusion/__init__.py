@@ -1,18 +1,18 @@
 """Engine-agnostic fusion core: attention ops, RoPE recovery, selectors, executor.
 
 Imports torch only, never sglang, so it runs and benchmarks where SGLang cannot be installed.
-Model adapters live in `sglang_ext.fusion.adapters` (the transformers one imports transformers).
+Model adapters live in `sglang_hicache_ext.fusion.adapters` (the transformers one imports transformers).
 """
 
-from sglang_ext.fusion.adapter import AttentionInputs, ModelAdapter
-from sglang_ext.fusion.attention import (
+from sglang_hicache_ext.fusion.adapter import AttentionInputs, ModelAdapter
+from sglang_hicache_ext.fusion.attention import (
     attend,
     flashinfer_available,
     gather_attend,
     position_causal_attention,
 )
-from sglang_ext.fusion.chunk import ModelShape, PrecomputedChunk, chunk_hash
-from sglang_ext.fusion.executor import (
+from sglang_hicache_ext.fusion.chunk import ModelShape, PrecomputedChunk, chunk_hash
+from sglang_hicache_ext.fusion.executor import (
     FusionResult,
     GenerationResult,
     KVCache,
@@ -21,10 +21,10 @@ from sglang_ext.fusion.executor import (
     generate_greedy,
     precompute_chunk,
 )
-from sglang_ext.fusion.frequency import frequency_scores, low_pass
-from sglang_ext.fusion.request import ChunkSegment, RequestLayout, TextSegment, build_layout
-from sglang_ext.fusion.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec_from_config
-from sglang_ext.fusion.selectors import (
+from sglang_hicache_ext.fusion.frequency import frequency_scores, low_pass
+from sglang_hicache_ext.fusion.request import ChunkSegment, RequestLayout, TextSegment, build_layout
+from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec_from_config
+from sglang_hicache_ext.fusion.selectors import (
     SELECTORS,
     CheckLayerState,
     SelectionContext,

@@ -3,7 +3,7 @@
 SGLang's `torch_native` extend path pads every request's queries back to the full sequence and
 runs causal attention over all of it, so a prompt whose prefix is cached still pays attention
 for every cached token. This backend attends only the new queries, at their global positions,
-against the pooled K/V with a position-based causal mask (`sglang_ext.fusion.attention`), for
+against the pooled K/V with a position-based causal mask (`sglang_hicache_ext.fusion.attention`), for
 both extend and decode. Encoder, cross-attention and sliding-window layers keep SGLang's path.
 """
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from sglang_ext.fusion.attention import gather_attend
+from sglang_hicache_ext.fusion.attention import gather_attend
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner

@@ -15,7 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.settings import ExtensionSettings, SettingsError, load_settings, read_extra_config
+from sglang_hicache_ext.sglang_ext.server.settings import (
+    ExtensionSettings,
+    SettingsError,
+    load_settings,
+    read_extra_config,
+)
 
 
 class PreflightError(ValueError):
@@ -37,7 +42,7 @@ def check_disk_tier(server_args: Any) -> None:
         extra = read_extra_config(server_args.hicache_storage_backend_extra_config)
     except SettingsError as err:
         raise PreflightError(str(err)) from err
-    from sglang_ext import storage_backend
+    from sglang_hicache_ext.sglang_ext.disk_tier import storage_backend
 
     if extra.get("module_path") != storage_backend.MODULE_PATH:
         return
@@ -52,7 +57,7 @@ def check_disk_tier(server_args: Any) -> None:
         )
     # Claimed here, held by this (launching) process for its lifetime: a second server on the
     # same folder stops now, in one line, instead of in its scheduler after loading the model.
-    from tiers.dir_lock import DirectoryLockedError
+    from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
 
     try:
         storage_backend.hold_disk_dir(options.disk_dir)

@@ -3,14 +3,14 @@
 Loaded by SGLang's dynamic backend factory::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
-        "backend_name": "hicache_ext_disk", "module_path": "sglang_ext.storage_backend",
+        "backend_name": "hicache_ext_disk", "module_path": "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend",
         "class_name": "KaretoDiskStorage", "interface_v1": 1,
         "disk_dir": "/var/cache/sglang-disk", "capacity_bytes": 64e9,
         "disk_budget_bytes": 32e9, "ttl_policy": "group"}'
 
-Pages go to `tiers.disk_store.DiskStore` (crash-safe files, hard byte capacity, TTL expiry) with
-the group and TTL that our cache controller (`sglang_ext.ttl_controller`) passes with every
-write. `tuning.ttl.online.OnlineTtl` owns the access log and re-plans TTLs every period.
+Pages go to `sglang_hicache_ext.tiers.disk_store.DiskStore` (crash-safe files, hard byte capacity, TTL expiry) with
+the group and TTL that our cache controller (`sglang_hicache_ext.sglang_ext.disk_tier.controller`) passes with every
+write. `sglang_hicache_ext.tuning.ttl.online.OnlineTtl` owns the access log and re-plans TTLs every period.
 
 Faults never reach SGLang's threads: every entry point the controller calls turns an unexpected
 exception into a miss / False, logged and counted (`status()["errors"]["exceptions"]`).
@@ -35,17 +35,16 @@ from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
-
-from radix.groups import RESIDUAL_GROUP
-from tiers.dir_lock import DirectoryLock
-from tiers.disk_store import DiskStore
-from tuning.ttl.history_file import (
+from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP
+from sglang_hicache_ext.tiers.dir_lock import DirectoryLock
+from sglang_hicache_ext.tiers.disk_store import DiskStore
+from sglang_hicache_ext.tuning.ttl.history_file import (
     HistoryFileError,
     load_history,
     save_history,
     stray_temp_files,
 )
-from tuning.ttl.online import OnlineTtl, OnlineTtlConfig, RestoredHistory
+from sglang_hicache_ext.tuning.ttl.online import OnlineTtl, OnlineTtlConfig, RestoredHistory
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ def hold_disk_dir(disk_dir: str | Path) -> Path:
     Called by the preflight check in the launching process, before SGLang starts its
     schedulers: a second server on the same folder must fail there, in one line, not in a
     scheduler's traceback. Re-entrant within a process (an `Engine` started again).
-    Raises `tiers.dir_lock.DirectoryLockedError` (holder's PID) or OSError.
+    Raises `sglang_hicache_ext.tiers.dir_lock.DirectoryLockedError` (holder's PID) or OSError.
     """
     path = Path(disk_dir).expanduser().absolute()
     with _server_locks_mutex:

@@ -57,7 +57,7 @@ class ExtensionSettings:
     chunk_registrations_per_minute: int = 120
 
     def __post_init__(self) -> None:
-        from sglang_ext.fusion.selectors import SELECTORS
+        from sglang_hicache_ext.fusion.selectors import SELECTORS
 
         if self.chunk_store_bytes <= 0:
             raise SettingsError(f"chunk_store_bytes = {self.chunk_store_bytes} must be positive")

@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from sglang_ext.fusion.adapter import AttentionInputs, ModelAdapter
-from sglang_ext.fusion.chunk import ModelShape
-from sglang_ext.fusion.rope import rope_spec_from_config
+from sglang_hicache_ext.fusion.adapter import AttentionInputs, ModelAdapter
+from sglang_hicache_ext.fusion.chunk import ModelShape
+from sglang_hicache_ext.fusion.rope import rope_spec_from_config
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2"})
 

@@ -6,19 +6,19 @@
 - `GET /chunks/{id}[?probe_layer=L&probe_token=T]`: one chunk; the probe (diagnostics) adds the
   stored pre-RoPE key of token T at layer L, to check a capture against another implementation.
 - `DELETE /chunks/{id}`: drop a chunk (404 unknown, 409 while a running request uses it).
-- `GET /hicache_ext/storage[?pages=N]`: the disk tier (`sglang_ext.storage_backend`): bytes and
+- `GET /hicache_ext/storage[?pages=N]`: the disk tier (`sglang_hicache_ext.sglang_ext.disk_tier.storage_backend`): bytes and
   pages per group, expiries, hit ratios per tier and group, current TTLs and the last plan; with
   `pages`, the first N pages (soonest expiry first) with their group and expiry.
 - `POST /hicache_ext/storage/ttl` `{"replan": true}` (plan now from the window) or
   `{"default_ttl_s": S, "ttls": {group: S}}` (operator override until the next plan).
 
 Registration runs as a prefill-only generate request (the scheduler captures the KV, see
-`sglang_ext.chunks`); list and delete use SGLang's scheduler control channel.
+`sglang_hicache_ext.sglang_ext.chunk_fusion.registry`); list and delete use SGLang's scheduler control channel.
 
 Auth is SGLang's own (`sglang.srt.utils.auth`): routes that change or drop shared state
 (`DELETE /chunks/{id}`, `POST /hicache_ext/storage/ttl`) are ADMIN_OPTIONAL like `/flush_cache`;
 the others are NORMAL like `/generate`. `POST /chunks` is bounded before any tokenization
-(`sglang_ext.request_limits`: body bytes, tokens, registrations per minute and client host).
+(`sglang_hicache_ext.sglang_ext.server.request_limits`: body bytes, tokens, registrations per minute and client host).
 Every refusal is a 4xx with `{"error": message}`.
 """
 
@@ -32,11 +32,19 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
-
-from sglang_ext.chunks import CONTROL_PREFIX, REGISTER_PARAM, registering_chunk
-from sglang_ext.fusion.chunk import chunk_hash
-from sglang_ext.request_limits import RateLimiter, RequestRefused, parse_json, read_bounded_body
-from sglang_ext.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.fusion.chunk import chunk_hash
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
+    CONTROL_PREFIX,
+    REGISTER_PARAM,
+    registering_chunk,
+)
+from sglang_hicache_ext.sglang_ext.server.request_limits import (
+    RateLimiter,
+    RequestRefused,
+    parse_json,
+    read_bounded_body,
+)
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
 
 # A capture lands when the scheduler checkpoints the request, just before the response goes out.
 _CAPTURE_POLL_S = 0.05

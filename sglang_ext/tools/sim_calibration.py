@@ -1,13 +1,13 @@
 """Calibrate the serving simulator on the real CPU SGLang server, and check its fidelity.
 
-    python -m sglang_ext.sim_calibration profile --out profile.json
-    python -m sglang_ext.sim_calibration fidelity --profile profile.json --out fidelity.json
+    python -m sglang_hicache_ext.sglang_ext.tools.sim_calibration profile --out profile.json
+    python -m sglang_hicache_ext.sglang_ext.tools.sim_calibration fidelity --profile profile.json --out fidelity.json
 
 `profile` measures, on SmolLM2 with this repository's CPU server flags: prefill times alone at
 several new/cached lengths and decode step times at several batch sizes and contexts (fitted by
-`tuning.sim.calibrate.fit_profile`), then host -> device and disk -> host bandwidths from the TTFT
+`sglang_hicache_ext.tuning.sim.calibrate.fit_profile`), then host -> device and disk -> host bandwidths from the TTFT
 of a prompt served by the device, host and disk tiers. `fidelity` replays a scaled slice of a
-trace (`tuning.sim.scaled_slice`) open-loop against a fresh server per configuration (GPU-only,
+trace (`sglang_hicache_ext.tuning.sim.scaled_slice`) open-loop against a fresh server per configuration (GPU-only,
 +DRAM, +disk with our TTL disk tier) and through the simulator with the calibrated profile, and
 compares mean TTFT, hit ratio and throughput.
 """
@@ -29,16 +29,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import requests
-
-from sglang_ext.launcher import ServerConfig, flush_cache, free_port, running_server
-from sglang_ext.storage_backend import disk_tier_extra_config
-from tuning.cost import GB
-from tuning.sim.calibrate import DecodeSample, PrefillSample, fit_profile
-from tuning.sim.config import DiskConfig, SimConfig
-from tuning.sim.profile import Profile
-from tuning.sim.scaled_slice import ScaledRequest, SliceSpec, scale_slice
-from tuning.sim.simulator import simulate
-from tuning.sim.trace import CONVERSATION_TRACE, load_requests
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    flush_cache,
+    free_port,
+    running_server,
+)
+from sglang_hicache_ext.tuning.cost import GB
+from sglang_hicache_ext.tuning.sim.calibrate import DecodeSample, PrefillSample, fit_profile
+from sglang_hicache_ext.tuning.sim.config import DiskConfig, SimConfig
+from sglang_hicache_ext.tuning.sim.profile import Profile
+from sglang_hicache_ext.tuning.sim.scaled_slice import ScaledRequest, SliceSpec, scale_slice
+from sglang_hicache_ext.tuning.sim.simulator import simulate
+from sglang_hicache_ext.tuning.sim.trace import CONVERSATION_TRACE, load_requests
 
 PAGE_TOKENS = 16
 DEVICE_TOKENS = 8192
@@ -432,7 +436,7 @@ def fidelity(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sglang_ext.sim_calibration", description=__doc__.splitlines()[0]
+        prog="python -m sglang_hicache_ext.sglang_ext.tools.sim_calibration", description=__doc__.splitlines()[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     prof = sub.add_parser("profile", help="measure the CPU server and write the simulator profile")

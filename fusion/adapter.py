@@ -11,9 +11,8 @@ from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
-
-from sglang_ext.fusion.chunk import ModelShape
-from sglang_ext.fusion.rope import RopeSpec, apply_rope
+from sglang_hicache_ext.fusion.chunk import ModelShape
+from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope
 
 
 class AttentionInputs(NamedTuple):

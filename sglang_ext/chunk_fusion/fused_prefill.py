@@ -29,13 +29,21 @@ import logging
 from typing import Any
 
 import torch
-
-from sglang_ext.chunks import REGISTER_PARAM, ChunkRegistry, registering_chunk
-from sglang_ext.fusion.executor import fused_prefill
-from sglang_ext.fusion_options import META_KEY, parse_options
-from sglang_ext.fusion_plan import FusionRuntime, RequestPlan, fall_back, plan_batch
-from sglang_ext.settings import ExtensionSettings, load_settings
-from sglang_ext.sglang_model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.fusion.executor import fused_prefill
+from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY, parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
+    FusionRuntime,
+    RequestPlan,
+    fall_back,
+    plan_batch,
+)
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
+    REGISTER_PARAM,
+    ChunkRegistry,
+    registering_chunk,
+)
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sglang_ext.fusion.selectors import SELECTORS
-from sglang_ext.settings import ExtensionSettings
+from sglang_hicache_ext.fusion.selectors import SELECTORS
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 ENABLE_KEY = "fusion"
 SELECTOR_KEY = "fusion_selector"

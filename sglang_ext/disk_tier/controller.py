@@ -2,7 +2,7 @@
 
 SGLang builds the controller inside the tree's constructor with no way to choose its class, so
 `install()` re-classes the built instance (the subclass adds methods only, no state) when our
-disk backend (`sglang_ext.storage_backend`) is attached, and makes the tree pass prefix keys:
+disk backend (`sglang_hicache_ext.sglang_ext.disk_tier.storage_backend`) is attached, and makes the tree pass prefix keys:
 a page's group depends on its whole path from the sequence start.
 """
 
@@ -11,7 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_ext.storage_backend import WRITE_INFO_KEY, KaretoDiskStorage, PageWriteInfo
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import (
+    WRITE_INFO_KEY,
+    KaretoDiskStorage,
+    PageWriteInfo,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,11 @@ import logging
 from typing import Any
 
 import torch
-
-from radix.chunk_index import ChunkIndex
-from sglang_ext.fusion.chunk import PrecomputedChunk, chunk_hash
-from sglang_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
-from sglang_ext.fusion.rope import RopeSpec, unrotate
-from tiers.chunk_store import ChunkStore, StoreFullError
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
+from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
+from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
+from sglang_hicache_ext.radix.chunk_index import ChunkIndex
+from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
 
 logger = logging.getLogger(__name__)
 

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-
-from sglang_ext.fusion.adapter import ModelAdapter
-from sglang_ext.fusion.attention import attend
-from sglang_ext.fusion.chunk import PrecomputedChunk
-from sglang_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
-from sglang_ext.fusion.request import RequestLayout, Segment, build_layout
-from sglang_ext.fusion.selectors import CheckLayerState, SelectionContext, Selector
+from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion.attention import attend
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
+from sglang_hicache_ext.fusion.request import RequestLayout, Segment, build_layout
+from sglang_hicache_ext.fusion.selectors import CheckLayerState, SelectionContext, Selector
 
 
 @dataclass(frozen=True, eq=False)

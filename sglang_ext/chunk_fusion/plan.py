@@ -13,13 +13,13 @@ import weakref
 from collections import Counter
 from typing import Any
 
-from sglang_ext.chunks import ChunkRegistry, registration_id
-from sglang_ext.fusion.chunk import PrecomputedChunk
-from sglang_ext.fusion.request import ChunkSegment, Segment, TextSegment
-from sglang_ext.fusion.selectors import Selector, make_selector
-from sglang_ext.fusion_options import FusionOptions, parse_options
-from sglang_ext.settings import ExtensionSettings
-from sglang_ext.sglang_model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
+from sglang_hicache_ext.fusion.selectors import Selector, make_selector
+from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 logger = logging.getLogger(__name__)
 
