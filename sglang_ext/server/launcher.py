@@ -26,16 +26,30 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message carries its log tail."""
 
 
+def default_device() -> str:
+    """`cuda` when torch sees a CUDA device, else `cpu`: the launcher follows the machine."""
+    import torch  # lazy: the launcher's importers (tests, CLIs) need not pay for torch up front
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Flags for a CPU development server; defaults are the embedded demo setup."""
+    """Flags for a development server; defaults are the embedded demo setup.
+
+    `device=None` follows the machine (`default_device`). On CPU the launcher adds what SGLang
+    needs there (the CPU engine, our `torch_position` attention, fp32, a small static memory
+    fraction, `--sleep-on-idle`); on CUDA it leaves SGLang's own defaults (FlashInfer, `auto`
+    dtype) unless a field sets them.
+    """
 
     model_path: str
     port: int = 30000
     host: str = "127.0.0.1"
-    attention_backend: str = "torch_position"
+    device: str | None = None
+    attention_backend: str | None = None  # CPU: torch_position; CUDA: SGLang's default
     radix_cache_backend: str | None = "hicache_ext"
-    dtype: str = "float32"  # SGLang's "auto" turns fp32 checkpoints into fp16, slow on CPU
+    dtype: str | None = None  # CPU: float32, since SGLang's "auto" turns fp32 checkpoints into slow fp16
     max_total_tokens: int = 16384
     page_size: int = 16
     hierarchical_cache: bool = False
@@ -44,7 +58,14 @@ class ServerConfig:
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
+    @property
+    def resolved_device(self) -> str:
+        return self.device or default_device()
+
     def command(self) -> list[str]:
+        on_cpu = self.resolved_device == "cpu"
+        attention = self.attention_backend or ("torch_position" if on_cpu else None)
+        dtype = self.dtype or ("float32" if on_cpu else None)
         cmd = [
             sys.executable,
             "-m",
@@ -52,11 +73,7 @@ class ServerConfig:
             "--model-path",
             self.model_path,
             "--device",
-            "cpu",
-            "--dtype",
-            self.dtype,
-            "--attention-backend",
-            self.attention_backend,
+            self.resolved_device,
             "--host",
             self.host,
             "--port",
@@ -64,13 +81,16 @@ class ServerConfig:
             "--skip-server-warmup",
             "--max-total-tokens",
             str(self.max_total_tokens),
-            "--mem-fraction-static",
-            "0.3",
             "--page-size",
             str(self.page_size),
-            # An idle scheduler otherwise polls and holds a whole core of the two we have.
-            "--sleep-on-idle",
         ]
+        if dtype:
+            cmd += ["--dtype", dtype]
+        if attention:
+            cmd += ["--attention-backend", attention]
+        if on_cpu:
+            # An idle scheduler otherwise polls and holds a whole core of the two we have.
+            cmd += ["--mem-fraction-static", "0.3", "--sleep-on-idle"]
         if self.radix_cache_backend:
             cmd += ["--radix-cache-backend", self.radix_cache_backend]
         if self.hierarchical_cache:
@@ -87,12 +107,9 @@ class ServerConfig:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(
-            SGLANG_USE_CPU_ENGINE="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-        )
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        if self.resolved_device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
         if self.hicache_storage_dir:
             # HiCacheFile reads its folder from this variable.
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.hicache_storage_dir
