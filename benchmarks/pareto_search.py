@@ -30,7 +30,7 @@ from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_
 from sglang_hicache_ext.tuning.pareto.plan import adaptive_settings, grid_space  # noqa: E402
 from sglang_hicache_ext.tuning.pareto.space import Point  # noqa: E402
 from sglang_hicache_ext.tuning.sim.simulator import simulate  # noqa: E402
-from sglang_hicache_ext.tuning.sim.trace import CONVERSATION_TRACE, load_requests  # noqa: E402
+from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE, load_requests  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 

@@ -31,14 +31,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from sglang_hicache_ext.tiers.ttl_policy import TtlTable  # noqa: E402
-from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, StaticTtlPlanner  # noqa: E402
+from sglang_hicache_ext.tuning.trace import TraceRequest, load_trace  # noqa: E402
+from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner  # noqa: E402
 from sglang_hicache_ext.tuning.ttl.replay import (  # noqa: E402
     DEFAULT_BYTES_PER_TOKEN,
     ReplayConfig,
     ReplayResult,
     replay,
 )
-from sglang_hicache_ext.tuning.ttl.trace import TraceRequest, load_trace  # noqa: E402
 
 # shared/ sits beside the checkout (developers and CI alike).
 TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -111,7 +111,7 @@ def best_fixed_in_hindsight(
     static = ReplayConfig(**{**config.__dict__, "online": False})
 
     def run(ttl: float) -> ReplayResult:
-        return replay(requests, StaticTtlPlanner(TtlTable(default_ttl=ttl)), static)
+        return replay(requests, FixedTtlPlanner(MAX_TTL_S, TtlTable(default_ttl=ttl)), static)
 
     ttl = brentq(lambda t: run(t).avg_disk_bytes - max_bytes, 0.0, MAX_TTL_S, xtol=0.05)
     while (result := run(ttl)).avg_disk_bytes > max_bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sglang_hicache_ext.tuning.sim.scaled_slice import SliceSpec, scale_slice
-from sglang_hicache_ext.tuning.sim.trace import SimRequest
+from sglang_hicache_ext.tuning.trace import SimRequest
 
 TRACE = [
     SimRequest(10.0, 1024, 320, ("0", "1")),

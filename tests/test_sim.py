@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.cost import GB, disk_type
+from sglang_hicache_ext.tuning.lru import BlockLru
 from sglang_hicache_ext.tuning.sim import (
+    CONVERSATION_TRACE,
     DiskConfig,
     Profile,
     SimConfig,
@@ -23,11 +25,9 @@ from sglang_hicache_ext.tuning.sim import (
 from sglang_hicache_ext.tuning.sim.calibrate import DecodeSample, PrefillSample, fit_profile
 from sglang_hicache_ext.tuning.sim.channel import IoChannel
 from sglang_hicache_ext.tuning.sim.disk import DiskTier
-from sglang_hicache_ext.tuning.sim.lru import BlockLru
 from sglang_hicache_ext.tuning.sim.occupancy import ttl_peak_blocks
 
-TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces"
-CONVERSATION = TRACE / "mooncake_conversation_trace.jsonl"
+CONVERSATION = CONVERSATION_TRACE
 needs_trace = pytest.mark.skipif(
     not CONVERSATION.is_file(), reason=f"shared trace not found at {CONVERSATION}"
 )

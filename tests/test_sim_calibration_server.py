@@ -18,7 +18,7 @@ from sglang_hicache_ext.sglang_ext.tools.sim_calibration import (
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.scaled_slice import SliceSpec, scale_slice
 from sglang_hicache_ext.tuning.sim.simulator import simulate
-from sglang_hicache_ext.tuning.sim.trace import SimRequest
+from sglang_hicache_ext.tuning.trace import SimRequest
 
 pytestmark = pytest.mark.server
 

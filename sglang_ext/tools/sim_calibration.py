@@ -42,7 +42,7 @@ from sglang_hicache_ext.tuning.sim.config import DiskConfig, SimConfig
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.scaled_slice import ScaledRequest, SliceSpec, scale_slice
 from sglang_hicache_ext.tuning.sim.simulator import simulate
-from sglang_hicache_ext.tuning.sim.trace import CONVERSATION_TRACE, load_requests
+from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE, load_requests
 
 PAGE_TOKENS = 16
 DEVICE_TOKENS = 8192

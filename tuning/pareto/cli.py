@@ -26,7 +26,7 @@ from sglang_hicache_ext.tuning.pareto.plan import DEFAULT_DISKS, adaptive_settin
 from sglang_hicache_ext.tuning.pareto.plot import plot_frontier
 from sglang_hicache_ext.tuning.pareto.select import Constraints, closest_miss, describe, select
 from sglang_hicache_ext.tuning.sim.profile import Profile
-from sglang_hicache_ext.tuning.sim.trace import TraceError
+from sglang_hicache_ext.tuning.trace import TraceError
 
 INFEASIBLE = 2
 

@@ -15,7 +15,7 @@ from sglang_hicache_ext.tuning.pareto.space import Point
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.result import SimResult
 from sglang_hicache_ext.tuning.sim.simulator import simulate
-from sglang_hicache_ext.tuning.sim.trace import SimRequest, load_requests
+from sglang_hicache_ext.tuning.trace import SimRequest, load_requests
 
 
 class Evaluation(NamedTuple):

@@ -4,7 +4,7 @@ from sglang_hicache_ext.tuning.sim.config import DiskConfig, SimConfig
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.result import SimResult, TierHits
 from sglang_hicache_ext.tuning.sim.simulator import simulate
-from sglang_hicache_ext.tuning.sim.trace import (
+from sglang_hicache_ext.tuning.trace import (
     CONVERSATION_TRACE,
     SimRequest,
     TraceError,

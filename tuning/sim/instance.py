@@ -12,11 +12,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from sglang_hicache_ext.tuning.lru import BlockLru
 from sglang_hicache_ext.tuning.sim.config import DiskConfig
 from sglang_hicache_ext.tuning.sim.disk import DiskTier
-from sglang_hicache_ext.tuning.sim.lru import BlockLru
 from sglang_hicache_ext.tuning.sim.profile import Profile
-from sglang_hicache_ext.tuning.sim.trace import SimRequest
+from sglang_hicache_ext.tuning.trace import SimRequest
 
 
 @dataclass

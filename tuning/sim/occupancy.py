@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from sglang_hicache_ext.tuning.sim.trace import SimRequest
+from sglang_hicache_ext.tuning.trace import SimRequest
 
 
 def ttl_peak_blocks(requests: Sequence[SimRequest], ttl_s: float) -> int:

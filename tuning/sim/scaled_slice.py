@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from sglang_hicache_ext.tuning.sim.trace import SimRequest
+from sglang_hicache_ext.tuning.trace import SimRequest
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.cost import GB, Pricing, deployment_cost, disk_type
+from sglang_hicache_ext.tuning.lru import BlockLru
 from sglang_hicache_ext.tuning.sim.channel import IoChannel
 from sglang_hicache_ext.tuning.sim.config import SimConfig
 from sglang_hicache_ext.tuning.sim.disk import DiskTier
 from sglang_hicache_ext.tuning.sim.instance import Instance, Stats
-from sglang_hicache_ext.tuning.sim.lru import BlockLru
 from sglang_hicache_ext.tuning.sim.occupancy import ttl_peak_blocks
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.result import SimResult, TierHits
-from sglang_hicache_ext.tuning.sim.trace import SimRequest
+from sglang_hicache_ext.tuning.trace import SimRequest
 
 _HEADROOM = 1.1  # provisioned disk over the TTL policy's peak footprint
 _MIN_DISK_GB = 20.0

@@ -9,9 +9,9 @@ import math
 import sys
 from collections.abc import Sequence
 
+from sglang_hicache_ext.tuning.trace import load_trace
 from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner
 from sglang_hicache_ext.tuning.ttl.replay import DEFAULT_BYTES_PER_TOKEN, ReplayConfig, replay
-from sglang_hicache_ext.tuning.ttl.trace import load_trace
 
 GB = 1e9
 

@@ -27,7 +27,6 @@ from sglang_hicache_ext.tuning.ttl.planner import (
     FixedTtlPlanner,
     GroupTtlPlanner,
     PlannedTtls,
-    StaticTtlPlanner,
     TtlPlanner,
 )
 
@@ -71,7 +70,7 @@ class OnlineTtlConfig:
             return GroupTtlPlanner(self.top_k, self.max_ttl_s)
         if self.policy == "fixed":
             return FixedTtlPlanner(self.max_ttl_s)
-        return StaticTtlPlanner(self.initial_table())
+        return FixedTtlPlanner(self.max_ttl_s, table=self.initial_table())
 
 
 class RestoredHistory(NamedTuple):

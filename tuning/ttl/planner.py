@@ -40,31 +40,23 @@ def profiles_of(stats: WindowStats) -> list[GroupProfile]:
     ]
 
 
-class StaticTtlPlanner(TtlPlanner):
-    """Always the same table, whatever the window (e.g. a TTL chosen in hindsight)."""
-
-    name = "static"
-
-    def __init__(self, table: TtlTable) -> None:
-        self.table = table
-
-    def plan(
-        self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
-    ) -> PlannedTtls:
-        return PlannedTtls(self.table, SubtreeGrouping(), "static")
-
-
 class FixedTtlPlanner(TtlPlanner):
-    """One TTL for every page (the baseline), solved exactly for the budget."""
+    """One TTL for every page (the baseline), solved exactly for each window's budget.
 
-    name = "fixed"
+    Given `table`, publishes that table for every window instead, whatever the accesses (policy
+    "static", e.g. a TTL chosen in hindsight or configured TTLs); `max_ttl_s` is then unused.
+    """
 
-    def __init__(self, max_ttl_s: float) -> None:
+    def __init__(self, max_ttl_s: float, table: TtlTable | None = None) -> None:
         self.max_ttl_s = max_ttl_s
+        self.table = table
+        self.name = "fixed" if table is None else "static"
 
     def plan(
         self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
     ) -> PlannedTtls:
+        if self.table is not None:
+            return PlannedTtls(self.table, SubtreeGrouping(), "static")
         stats = recorder.window_stats(0, start_s, end_s)
         budget = page_seconds(budget_pages, end_s - start_s)
         solution = solve_fixed_ttl(profiles_of(stats), budget, self.max_ttl_s)

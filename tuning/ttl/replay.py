@@ -21,10 +21,10 @@ import numpy as np
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
 from sglang_hicache_ext.radix.groups import SubtreeGrouping
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tuning.lru import BlockLru
+from sglang_hicache_ext.tuning.trace import TraceRequest
 from sglang_hicache_ext.tuning.ttl.budget import average_pages
-from sglang_hicache_ext.tuning.ttl.dram_lru import DramLru
 from sglang_hicache_ext.tuning.ttl.planner import PlannedTtls, TtlPlanner
-from sglang_hicache_ext.tuning.ttl.trace import TraceRequest
 
 # KV bytes of one token for a Llama-3-8B-like model in fp16:
 # 32 layers x 2 (K and V) x 8 KV heads x 128 head dim x 2 bytes = 128 KiB; a 512-token block is
@@ -134,7 +134,7 @@ def replay(
 
     policy = TtlPolicy(plans[0][1].table)
     grouping = plans[0][1].grouping
-    dram = DramLru(config.dram_bytes, config.bytes_per_block)
+    dram = BlockLru.of_bytes(config.dram_bytes, config.bytes_per_block)
     disk: dict[str, tuple[float, float]] = {}  # page -> (last access, expiry)
     seg_start: list[float] = []
     seg_end: list[float] = []
