@@ -13,9 +13,11 @@ DEFAULTS = ExtensionSettings(
 
 
 def test_defaults_and_overrides() -> None:
-    assert parse_options(None, DEFAULTS) == FusionOptions(False, "a3", 0.15)
+    assert parse_options(None, DEFAULTS) == FusionOptions(
+        enabled=False, selector="a3", recompute_ratio=0.15, sink_tokens=0
+    )
     assert parse_options({"fusion": True, "fusion_recompute_ratio": 1}, DEFAULTS) == FusionOptions(
-        True, "a3", 1.0
+        enabled=True, selector="a3", recompute_ratio=1.0, sink_tokens=0
     )
     assert parse_options({"fusion_selector": "epic", "other_key": 3}, DEFAULTS).selector == "epic"
     assert parse_options({"fusion_sink_tokens": 4}, DEFAULTS).sink_tokens == 4

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from sglang_hicache_ext.sglang_ext.chunk_fusion.options import OPTION_KEYS
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import REGISTER_PARAM
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
 from sglang_hicache_ext.sglang_ext.server.launcher import (
@@ -147,7 +148,6 @@ def _ttl_bodies() -> list[tuple[bytes, str]]:
 
 
 def _generate_bodies() -> list[tuple[bytes, str | None]]:
-    keys = ["fusion", "fusion_selector", "fusion_recompute_ratio", "fusion_sink_tokens"]
     bodies: list[tuple[str, str | None]] = []
 
     def request(custom: str) -> str:
@@ -156,7 +156,7 @@ def _generate_bodies() -> list[tuple[bytes, str | None]]:
             f'"custom_params": {custom}}}}}'
         )
 
-    for key in [*keys, REGISTER_PARAM]:
+    for key in [*OPTION_KEYS, REGISTER_PARAM]:
         for value in (*WRONG_VALUES, '"a3"', "0.5", "4"):
             # Some of these are right for some keys (true for fusion, 4 for sink tokens, ...);
             # the registration key is refused whatever its value.

@@ -39,7 +39,10 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
     ("content", "message"),
     [
         ('cpu_compatt = "on"\n', "unknown setting(s) 'cpu_compatt'"),
-        ('cpu_compat = "sometimes"\n', "cpu_compat = 'sometimes' is not allowed"),
+        (
+            'cpu_compat = "sometimes"\n',
+            "ext.toml: cpu_compat = 'sometimes' is not allowed; choose one of 'auto', 'on', 'off'",
+        ),
         ("preflight_checks = 1\n", "preflight_checks = 1 should be of type bool"),
         ("cpu_compat = \n", "is not valid TOML"),
         ("chunk_store_bytes = 0\n", "chunk_store_bytes = 0 must be positive"),
@@ -162,3 +165,35 @@ def test_missing_at_file_and_bad_inline_json_are_refused(tmp_path: Path) -> None
     with pytest.raises(SettingsError, match="not valid JSON"):
         read_extra_config("{'single': 'quotes'}")
     assert read_extra_config(None) == read_extra_config("") == {}
+
+
+def _readme_settings_rows() -> dict[str, str]:
+    """`setting -> default` of the README's settings table (the default cell without backticks)."""
+    lines = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    start = lines.index("| setting | default | meaning |") + 2  # past the header and its rule
+    rows: dict[str, str] = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        name, default = (cell.strip().strip("`") for cell in line.split("|")[1:3])
+        rows[name] = default
+    return rows
+
+
+def test_readme_settings_table_matches_the_model() -> None:
+    """Every setting is in the README table once, with the model's own default (JSON-spelled)."""
+    rows = _readme_settings_rows()
+    fields = ExtensionSettings.model_fields
+    assert list(rows) == list(fields)
+    for name, default in rows.items():
+        assert json.loads(default) == fields[name].default, name
+        assert type(json.loads(default)) is type(fields[name].default), name
+
+
+def test_bad_values_built_in_code_are_settings_errors() -> None:
+    with pytest.raises(SettingsError, match=re.escape("chunk_max_tokens = 0 must be positive")):
+        ExtensionSettings(chunk_max_tokens=0)
+    with pytest.raises(SettingsError, match=re.escape("fusion_selector = 'magic' is unknown")):
+        ExtensionSettings(fusion_selector="magic")
+    with pytest.raises(SettingsError, match=re.escape("must be in [0, 1]")):
+        ExtensionSettings(fusion_recompute_ratio=float("nan"))

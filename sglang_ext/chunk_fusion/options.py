@@ -1,16 +1,24 @@
 """Per-request fusion options: the flat `custom_params` keys, their server defaults, validation.
 
 Flat keys, because SGLang types `custom_params` as flat JSON (nested values survive its IPC only
-while it pickles). Unset keys take the server defaults from the extension settings.
+while it pickles). Unset keys take the server defaults from the extension settings; the value
+types and bounds are the settings' own (`SelectorName`, `RecomputeRatio`, `SinkTokens`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from sglang_hicache_ext.fusion.selectors import SELECTORS
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
+from sglang_hicache_ext.sglang_ext.server.settings import (
+    ExtensionSettings,
+    RecomputeRatio,
+    SelectorName,
+    SinkTokens,
+    bound_phrase,
+    selector_choices,
+)
 
 ENABLE_KEY = "fusion"
 SELECTOR_KEY = "fusion_selector"
@@ -18,46 +26,60 @@ RATIO_KEY = "fusion_recompute_ratio"
 SINK_KEY = "fusion_sink_tokens"
 META_KEY = "hicache_ext_fusion"
 
+# Each option's custom_params key and the setting that is its server default.
+SERVER_DEFAULTS: dict[str, str] = {
+    ENABLE_KEY: "fusion_by_default",
+    SELECTOR_KEY: "fusion_selector",
+    RATIO_KEY: "fusion_recompute_ratio",
+    SINK_KEY: "fusion_sink_tokens",
+}
+OPTION_KEYS: tuple[str, ...] = tuple(SERVER_DEFAULTS)
 
-@dataclasses.dataclass(frozen=True)
-class FusionOptions:
-    enabled: bool
-    selector: str
-    recompute_ratio: float
-    sink_tokens: int = 0
+
+class FusionOptions(BaseModel):
+    """The fusion options of one request, every one set (unset keys were given the defaults)."""
+
+    # strict: JSON `1` is not `true` and `"0.1"` not a ratio; a wrong type is the client's 400.
+    model_config = ConfigDict(
+        frozen=True, strict=True, extra="forbid", validate_by_name=True, validate_by_alias=True
+    )
+
+    enabled: bool = Field(alias=ENABLE_KEY)
+    selector: SelectorName = Field(alias=SELECTOR_KEY)
+    recompute_ratio: RecomputeRatio = Field(alias=RATIO_KEY)
+    sink_tokens: SinkTokens = Field(alias=SINK_KEY)
 
 
 def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOptions:
     """Options of one request; ValueError (HTTP 400) for malformed ones.
 
-    Types are checked before values: a list or object where a string is expected must be a
-    400, not an unhashable-type error in the membership test (a 500)."""
+    Types are checked before values (strict model): a list or object where a string is
+    expected is a 400, not an unhashable-type error in the membership test (a 500)."""
     params = {} if custom_params is None else custom_params
     if not isinstance(params, dict):
         raise ValueError("sampling_params.custom_params must be an object")
-    enabled = params.get(ENABLE_KEY, defaults.fusion_by_default)
-    selector = params.get(SELECTOR_KEY, defaults.fusion_selector)
-    ratio = params.get(RATIO_KEY, defaults.fusion_recompute_ratio)
-    sink_tokens = params.get(SINK_KEY, defaults.fusion_sink_tokens)
-    if not isinstance(enabled, bool):
-        raise ValueError(f"custom_params.{ENABLE_KEY} must be true or false, got {_short(enabled)}")
-    if not isinstance(selector, str) or selector not in SELECTORS:
-        raise ValueError(
-            f"custom_params.{SELECTOR_KEY} = {_short(selector)} is unknown; choose from {sorted(SELECTORS)}"
-        )
-    if (
-        isinstance(ratio, bool)
-        or not isinstance(ratio, int | float)
-        or not 0.0 <= ratio <= 1.0  # also refuses NaN
-    ):
-        raise ValueError(
-            f"custom_params.{RATIO_KEY} must be a number in [0, 1], got {_short(ratio)}"
-        )
-    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-        raise ValueError(
-            f"custom_params.{SINK_KEY} must be an integer >= 0, got {_short(sink_tokens)}"
-        )
-    return FusionOptions(enabled, selector, float(ratio), sink_tokens)
+    # Only our keys: custom_params may carry other plugins' keys too.
+    values = {
+        key: params.get(key, getattr(defaults, name)) for key, name in SERVER_DEFAULTS.items()
+    }
+    try:
+        return FusionOptions.model_validate(values)
+    except ValidationError as err:
+        raise ValueError(_refusal(err.errors()[0])) from None
+
+
+# What each value type must be, in the words of a 400.
+_MUST_BE = {bool: "true or false", float: "a number", int: "an integer"}
+
+
+def _refusal(error: ErrorDetails) -> str:
+    key = str(error["loc"][0])
+    given = _short(error["input"])
+    if key == SELECTOR_KEY:  # a wrong type or an unknown name: the same answer
+        return f"custom_params.{key} = {given} {selector_choices()}"
+    field = next(f for f in FusionOptions.model_fields.values() if f.alias == key)
+    must_be = " ".join(filter(None, (_MUST_BE[field.annotation], bound_phrase(field))))
+    return f"custom_params.{key} must be {must_be}, got {given}"
 
 
 def _short(value: Any, limit: int = 80) -> str:

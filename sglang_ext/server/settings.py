@@ -1,22 +1,26 @@
-"""Extension settings: one JSON or TOML file, validated strictly.
+"""Extension settings: one JSON or TOML file, validated strictly by one pydantic model.
 
 The file is named by the environment variable `SGLANG_HICACHE_EXT_CONFIG`, or by the key
 `"hicache_ext_config"` inside SGLang's `--hicache-storage-backend-extra-config` (inline JSON, or
 `@path` to a JSON/TOML/YAML file, read by `read_extra_config` exactly as SGLang reads it), which
 may also hold the settings inline as an object). Unknown keys and bad values raise
 `SettingsError` with the offending key and the allowed values, so the server stops with one
-clear line instead of running with a typo silently ignored.
+clear line instead of running with a typo silently ignored. Every default and bound is written
+once, in `ExtensionSettings`; the per-request fusion options reuse its types.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 CONFIG_ENV_VAR = "SGLANG_HICACHE_EXT_CONFIG"
 EXTRA_CONFIG_KEY = "hicache_ext_config"
@@ -26,102 +30,150 @@ class SettingsError(ValueError):
     """A settings file or value that the extension refuses to start with."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ExtensionSettings:
+def selector_choices() -> str:
+    """What a refused selector name is told (the fusion core's selectors)."""
+    # Imported when used: the fusion core imports torch; reading settings needs none of it.
+    from sglang_hicache_ext.fusion.selectors import SELECTORS
+
+    return f"is unknown; choose from {sorted(SELECTORS)}"
+
+
+def _known_selector(name: str) -> str:
+    from sglang_hicache_ext.fusion.selectors import SELECTORS
+
+    if name not in SELECTORS:
+        raise ValueError(selector_choices())
+    return name
+
+
+# Shared with the per-request options (`chunk_fusion/options.py`), so both check alike.
+SelectorName = Annotated[str, AfterValidator(_known_selector)]
+RecomputeRatio = Annotated[float, Field(ge=0, le=1)]
+SinkTokens = Annotated[int, Field(ge=0)]
+
+
+class ExtensionSettings(BaseModel):
     """What a user can set; every field has a sane default."""
 
-    # Apply the CPU compatibility hooks (host-pool pinning, KV transfers, ...): "auto" applies
-    # them when torch has no CUDA device.
-    cpu_compat: Literal["auto", "on", "off"] = "auto"
-    # Check model path, port and settings before SGLang starts its subprocesses.
-    preflight_checks: bool = True
-    # Tree core used by the hicache_ext radix cache. Our subclass overrides Python methods, so
-    # only the Python core honours them.
-    tree_core: Literal["python"] = "python"
-    # Report extension state under `internal_states[i]["hicache_ext"]` of `/server_info`.
-    report_in_server_info: bool = True
-    # Host memory for precomputed chunk KV (registered with POST /chunks), LRU beyond it.
-    chunk_store_bytes: int = 2 * 1024**3
-    # Server defaults of the per-request fusion options (custom_params fusion, fusion_selector,
-    # fusion_recompute_ratio, fusion_sink_tokens).
-    fusion_by_default: bool = False
-    fusion_selector: str = "a3"
-    fusion_recompute_ratio: float = 0.15
-    # First tokens of each chunk put first in the recompute budget (0 = the papers' selectors).
-    fusion_sink_tokens: int = 0
-    # Bounds of POST /chunks, checked before any tokenization: the request body in bytes, the
-    # chunk in tokens (also never more than the model's context length), and the requests per
-    # minute and client host (0 = unlimited).
-    chunk_max_body_bytes: int = 4 * 1024**2
-    chunk_max_tokens: int = 32768
-    chunk_registrations_per_minute: int = 120
+    # strict: a TOML `1` is not `true`, `1.5` not an int; values come from files, not forms.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    def __post_init__(self) -> None:
-        from sglang_hicache_ext.fusion.selectors import SELECTORS
+    cpu_compat: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Apply the CPU compatibility hooks (host-pool pinning, KV transfers, ...): "
+        "auto applies them when torch has no CUDA device.",
+    )
+    preflight_checks: bool = Field(
+        True, description="Check model path, port and settings before SGLang starts."
+    )
+    tree_core: Literal["python"] = Field(
+        "python",
+        description="Tree core of the hicache_ext radix cache. Our subclass overrides Python "
+        "methods, so only the Python core honours them.",
+    )
+    report_in_server_info: bool = Field(
+        True, description='Report extension state under internal_states[i]["hicache_ext"].'
+    )
+    chunk_store_bytes: int = Field(
+        2 * 1024**3,
+        gt=0,
+        description="Host memory for precomputed chunk KV (POST /chunks), LRU beyond it.",
+    )
+    fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
+    fusion_selector: SelectorName = Field(
+        "a3", description="Server default of custom_params.fusion_selector."
+    )
+    fusion_recompute_ratio: RecomputeRatio = Field(
+        0.15, description="Server default of custom_params.fusion_recompute_ratio."
+    )
+    fusion_sink_tokens: SinkTokens = Field(
+        0,
+        description="First tokens of each chunk put first in the recompute budget "
+        "(0 = the papers' selectors).",
+    )
+    chunk_max_body_bytes: int = Field(
+        4 * 1024**2, gt=0, description="Largest POST /chunks body, checked before parsing."
+    )
+    chunk_max_tokens: int = Field(
+        32768,
+        gt=0,
+        description="Largest chunk in tokens (also never more than the context length).",
+    )
+    chunk_registrations_per_minute: int = Field(
+        120,
+        ge=0,
+        description="POST /chunks requests per minute and client host.",
+        json_schema_extra={"zero_means": "unlimited"},
+    )
 
-        if self.chunk_store_bytes <= 0:
-            raise SettingsError(f"chunk_store_bytes = {self.chunk_store_bytes} must be positive")
-        if self.fusion_selector not in SELECTORS:
-            raise SettingsError(
-                f"fusion_selector = {self.fusion_selector!r} is unknown; choose from {sorted(SELECTORS)}"
-            )
-        if not 0.0 <= self.fusion_recompute_ratio <= 1.0:
-            raise SettingsError(
-                f"fusion_recompute_ratio = {self.fusion_recompute_ratio} must be in [0, 1]"
-            )
-        if self.fusion_sink_tokens < 0:
-            raise SettingsError(f"fusion_sink_tokens = {self.fusion_sink_tokens} must be >= 0")
-        for name in ("chunk_max_body_bytes", "chunk_max_tokens"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"{name} = {getattr(self, name)} must be positive")
-        if self.chunk_registrations_per_minute < 0:
-            raise SettingsError(
-                f"chunk_registrations_per_minute = {self.chunk_registrations_per_minute} "
-                "must be >= 0 (0 = unlimited)"
-            )
+    def __init__(self, **values: Any) -> None:
+        # Built in code or from a file, a bad value is the same one-line SettingsError.
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            raise SettingsError(one_line(err)) from None
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str) -> ExtensionSettings:
-        hints = get_type_hints(cls)
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise SettingsError(
-                f"{source}: unknown setting(s) {', '.join(map(repr, unknown))}; "
-                f"known settings: {', '.join(known)}"
-            )
-        for name, value in values.items():
-            _check_value(name, value, hints[name], source)
-        try:
-            return cls(**dict(values))
+        try:  # str(key): a YAML file may hold other keys; they are unknown settings then
+            return cls(**{str(key): value for key, value in values.items()})
         except SettingsError as err:
             raise SettingsError(f"{source}: {err}") from None
 
 
-def _check_value(name: str, value: Any, annotation: Any, source: str) -> None:
-    if get_origin(annotation) is Literal:
-        allowed = get_args(annotation)
-        if value not in allowed:
-            raise SettingsError(
-                f"{source}: {name} = {value!r} is not allowed; choose one of "
-                f"{', '.join(map(repr, allowed))}"
-            )
-        return
-    if annotation is bool:
-        ok = isinstance(value, bool)
-    elif annotation is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    elif annotation is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, annotation)
-    if not ok:
-        raise SettingsError(
-            f"{source}: {name} = {value!r} should be of type {getattr(annotation, '__name__', annotation)}"
+def one_line(err: ValidationError) -> str:
+    """The first problem of a settings ValidationError, as the one line an operator reads."""
+    errors = err.errors()
+    unknown = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        known = ExtensionSettings.model_fields
+        return (
+            f"unknown setting(s) {', '.join(map(repr, sorted(unknown)))}; "
+            f"known settings: {', '.join(known)}"
         )
+    return _describe(errors[0])
+
+
+def _describe(error: ErrorDetails) -> str:
+    name = str(error["loc"][0])
+    field = ExtensionSettings.model_fields[name]
+    given = f"{name} = {error['input']!r}"
+    kind = error["type"]
+    if kind == "literal_error":
+        allowed = ", ".join(map(repr, get_args(field.annotation)))
+        return f"{given} is not allowed; choose one of {allowed}"
+    if kind.endswith("_type"):
+        return (
+            f"{given} should be of type {getattr(field.annotation, '__name__', field.annotation)}"
+        )
+    if kind == "value_error":
+        return f"{given} {error['ctx']['error']}"
+    bound = bound_phrase(field)
+    if bound:
+        extra = field.json_schema_extra
+        zero = extra.get("zero_means") if isinstance(extra, dict) else None
+        return f"{given} must be {bound}" + (f" (0 = {zero})" if zero else "")
+    return f"{given}: {error['msg']}"
+
+
+def bound_phrase(field: FieldInfo) -> str:
+    """A field's numeric bounds in words: "positive", ">= 0", "in [0, 1]" ("" when unbounded)."""
+    symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    # Field(gt=..., ...) becomes one annotated_types object per bound in `metadata`.
+    bounds = {
+        name: getattr(item, name)
+        for item in field.metadata
+        for name in symbols
+        if hasattr(item, name)
+    }
+    if "ge" in bounds and "le" in bounds:
+        return f"in [{bounds['ge']}, {bounds['le']}]"
+    if bounds.get("gt") == 0 and len(bounds) == 1:
+        return "positive"
+    return " and ".join(f"{symbols[name]} {value}" for name, value in bounds.items())
 
 
 def read_settings_file(path: str | os.PathLike[str]) -> ExtensionSettings:
