@@ -29,16 +29,8 @@ class ModelAdapter(ABC):
     shape: ModelShape
     rope_spec: RopeSpec
     attn_scale: float
-
-    @property
-    @abstractmethod
-    def device(self) -> torch.device:
-        """Where activations and KV live."""
-
-    @property
-    @abstractmethod
-    def dtype(self) -> torch.dtype:
-        """Activation / KV dtype."""
+    device: torch.device  # where activations and KV live
+    dtype: torch.dtype  # activation / KV dtype
 
     @abstractmethod
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -19,13 +19,24 @@ def position_causal_attention(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
     scale: float | None = None,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """Attend `query` [q, Hq, D] over `key`/`value` [k, Hkv, D] by position.
 
     Grouped-query attention is handled when Hq is a multiple of Hkv. Returns [q, Hq, Dv].
+    backend: "torch" (SDPA); "flashinfer" (error if unusable); "auto" (FlashInfer for CUDA
+    fp16/bf16 when installed, else torch).
     """
+    if _flashinfer_chosen(backend, query):
+        return _flashinfer_attention(query, key, value, query_positions, key_positions, scale)
     if query.shape[0] == 0:
         return query.new_empty((0, query.shape[1], value.shape[-1]))
+    if query.is_cuda and query.shape[1] != key.shape[1] and query.shape[0] < key.shape[0]:
+        # SDPA's masked CUDA kernel (memory-efficient) lacks GQA; left grouped, SDPA falls
+        # back to the math kernel, which materialises [H, q, k] scores at long contexts.
+        group = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
     q = query.transpose(0, 1).unsqueeze(0)
     k = key.transpose(0, 1).unsqueeze(0)
     v = value.transpose(0, 1).unsqueeze(0)
@@ -112,20 +123,11 @@ def flashinfer_available() -> bool:
     return True
 
 
-def attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_positions: torch.Tensor,
-    key_positions: torch.Tensor,
-    scale: float | None = None,
-    backend: str = "torch",
-) -> torch.Tensor:
-    """`position_causal_attention` with an optional FlashInfer kernel.
+# The executor's name for it.
+attend = position_causal_attention
 
-    backend: "torch"; "flashinfer" (error if unusable); "auto" (FlashInfer for CUDA fp16/bf16
-    when installed, else torch).
-    """
+
+def _flashinfer_chosen(backend: str, query: torch.Tensor) -> bool:
     if backend not in ("torch", "flashinfer", "auto"):
         raise ValueError(f"unknown attention backend {backend!r}")
     usable = (
@@ -136,15 +138,7 @@ def attend(
     )
     if backend == "flashinfer" and not usable:
         raise ValueError("flashinfer backend needs CUDA fp16/bf16 tensors and flashinfer installed")
-    if backend == "torch" or not usable:
-        if query.is_cuda and query.shape[1] != key.shape[1] and query.shape[0] < key.shape[0]:
-            # SDPA's masked CUDA kernel (memory-efficient) lacks GQA; left grouped, SDPA falls
-            # back to the math kernel, which materialises [H, q, k] scores at long contexts.
-            group = query.shape[1] // key.shape[1]
-            key = key.repeat_interleave(group, dim=1)
-            value = value.repeat_interleave(group, dim=1)
-        return position_causal_attention(query, key, value, query_positions, key_positions, scale)
-    return _flashinfer_attention(query, key, value, query_positions, key_positions, scale)
+    return backend != "torch" and usable
 
 
 def _flashinfer_attention(

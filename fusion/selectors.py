@@ -91,30 +91,31 @@ class Selector(ABC):
         return torch.sort(chunk_positions[top]).values
 
 
-class FullSelector(Selector):
+class _FixedRatioSelector(Selector):
+    """A selector whose ratio is fixed: a given one is only validated, every token scores it."""
+
+    fixed_ratio: ClassVar[float]
+
+    def __init__(self, ratio: float | None = None, sink_tokens: int = 0) -> None:
+        super().__init__(self.fixed_ratio if ratio is None else ratio, sink_tokens)
+        self.ratio = self.fixed_ratio
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        return torch.full((ctx.layout.num_chunk_tokens,), self.fixed_ratio)
+
+
+class FullSelector(_FixedRatioSelector):
     """Normal prefill: every chunk token is recomputed (ratio is forced to 1)."""
 
     name = "full"
-
-    def __init__(self, ratio: float = 1.0, sink_tokens: int = 0) -> None:
-        super().__init__(ratio, sink_tokens)
-        self.ratio = 1.0
-
-    def score(self, ctx: SelectionContext) -> torch.Tensor:
-        return torch.ones(ctx.layout.num_chunk_tokens)
+    fixed_ratio = 1.0
 
 
-class ReuseSelector(Selector):
+class ReuseSelector(_FixedRatioSelector):
     """Pure reuse: nothing recomputed (ratio is forced to 0)."""
 
     name = "reuse"
-
-    def __init__(self, ratio: float = 0.0, sink_tokens: int = 0) -> None:
-        super().__init__(ratio, sink_tokens)
-        self.ratio = 0.0
-
-    def score(self, ctx: SelectionContext) -> torch.Tensor:
-        return torch.zeros(ctx.layout.num_chunk_tokens)
+    fixed_ratio = 0.0
 
 
 class RandomSelector(Selector):

@@ -44,7 +44,7 @@ class HFCausalLMAdapter(ModelAdapter):
         self.rope_spec = rope_spec_from_config(config)
         self.attn_scale = float(self._layers[0].self_attn.scaling)
         first = next(model.parameters())
-        self._device, self._dtype = first.device, first.dtype
+        self.device, self.dtype = first.device, first.dtype
 
     @classmethod
     def from_pretrained(
@@ -58,14 +58,6 @@ class HFCausalLMAdapter(ModelAdapter):
     @property
     def model(self) -> Any:
         return self._model
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self._decoder.embed_tokens(token_ids)

@@ -36,15 +36,7 @@ class SGLangModelAdapter(ModelAdapter):
         self.rope_spec = rope_spec_from_config(hf_config)
         self.attn_scale = float(attn.scaling)
         weight = model.model.embed_tokens.weight
-        self._device, self._dtype = weight.device, weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
+        self.device, self.dtype = weight.device, weight.dtype
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self._model.model.embed_tokens(token_ids)

@@ -9,6 +9,8 @@ both extend and decode. Encoder, cross-attention and sliding-window layers keep 
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,118 +26,76 @@ def _make_backend_class() -> type:
     # Defined lazily so importing this module never imports SGLang's attention stack.
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
+    # The overrides take SGLang's arguments as they come and read them by SGLang's own names,
+    # so its signatures are written once, in SGLang.
+    extend_signature = inspect.signature(TorchNativeAttnBackend._run_sdpa_forward_extend)
+    decode_signature = inspect.signature(TorchNativeAttnBackend._run_sdpa_forward_decode)
+
     class TorchPositionAttnBackend(TorchNativeAttnBackend):
         """TorchNativeAttnBackend whose extend/decode attend only the new queries."""
 
-        def _run_sdpa_forward_extend(
-            self,
-            query: torch.Tensor,
-            output: torch.Tensor,
-            k_cache: torch.Tensor,
-            v_cache: torch.Tensor,
-            req_to_token: torch.Tensor,
-            req_pool_indices: torch.Tensor,
-            seq_lens: torch.Tensor,
-            extend_prefix_lens: torch.Tensor,
-            extend_seq_lens: torch.Tensor,
-            encoder_lens: torch.Tensor | None = None,
-            scaling: float | None = None,
-            enable_gqa: bool = False,
-            causal: bool = False,
-            is_cross_attn: bool = False,
-            sliding_window_size: int | None = None,
-        ) -> torch.Tensor:
-            if (
-                encoder_lens is not None
-                or is_cross_attn
-                or not causal
-                or sliding_window_size is not None
-            ):
-                return super()._run_sdpa_forward_extend(
-                    query,
-                    output,
-                    k_cache,
-                    v_cache,
-                    req_to_token,
-                    req_pool_indices,
-                    seq_lens,
-                    extend_prefix_lens,
-                    extend_seq_lens,
-                    encoder_lens,
-                    scaling=scaling,
-                    enable_gqa=enable_gqa,
-                    causal=causal,
-                    is_cross_attn=is_cross_attn,
-                    sliding_window_size=sliding_window_size,
-                )
-            start = 0
-            for row, prefix_len, extend_len, seq_len in zip(
-                req_pool_indices.tolist(),
-                extend_prefix_lens.tolist(),
-                extend_seq_lens.tolist(),
-                seq_lens.tolist(),
-                strict=True,
-            ):
-                end = start + extend_len
-                positions = torch.arange(prefix_len, seq_len, device=query.device)
-                output[start:end] = gather_attend(
-                    query[start:end],
-                    k_cache,
-                    v_cache,
-                    req_to_token[row, :seq_len],
-                    positions,
-                    scaling,
-                )
-                start = end
-            return output
+        def _run_sdpa_forward_extend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            call = _arguments(extend_signature, self, args, kwargs)
+            if not (call["causal"] and _plain_self_attention(call)):
+                return super()._run_sdpa_forward_extend(*args, **kwargs)
+            prefix_lens = call["extend_prefix_lens"].tolist()
+            return _attend_new_queries(call, prefix_lens, call["extend_seq_lens"].tolist())
 
-        def _run_sdpa_forward_decode(
-            self,
-            query: torch.Tensor,
-            output: torch.Tensor,
-            k_cache: torch.Tensor,
-            v_cache: torch.Tensor,
-            req_to_token: torch.Tensor,
-            req_pool_indices: torch.Tensor,
-            seq_lens: torch.Tensor,
-            encoder_lens: torch.Tensor | None = None,
-            scaling: float | None = None,
-            enable_gqa: bool = False,
-            causal: bool = False,
-            is_cross_attn: bool = False,
-            sliding_window_size: int | None = None,
-        ) -> torch.Tensor:
-            if encoder_lens is not None or is_cross_attn or sliding_window_size is not None:
-                return super()._run_sdpa_forward_decode(
-                    query,
-                    output,
-                    k_cache,
-                    v_cache,
-                    req_to_token,
-                    req_pool_indices,
-                    seq_lens,
-                    encoder_lens,
-                    scaling=scaling,
-                    enable_gqa=enable_gqa,
-                    causal=causal,
-                    is_cross_attn=is_cross_attn,
-                    sliding_window_size=sliding_window_size,
-                )
-            for index, (row, seq_len) in enumerate(
-                zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)
-            ):
-                positions = torch.tensor([seq_len - 1], device=query.device)
-                output[index : index + 1] = gather_attend(
-                    query[index : index + 1],
-                    k_cache,
-                    v_cache,
-                    req_to_token[row, :seq_len],
-                    positions,
-                    scaling,
-                )
-            return output
+        def _run_sdpa_forward_decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            call = _arguments(decode_signature, self, args, kwargs)
+            if not _plain_self_attention(call):
+                return super()._run_sdpa_forward_decode(*args, **kwargs)
+            # One new query per request, at the last position.
+            prefix_lens = [seq_len - 1 for seq_len in call["seq_lens"].tolist()]
+            return _attend_new_queries(call, prefix_lens, [1] * len(prefix_lens))
 
     return TorchPositionAttnBackend
+
+
+def _arguments(
+    signature: inspect.Signature, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Mapping[str, Any]:
+    """SGLang's call as `{parameter name: value}`, defaults filled in."""
+    bound = signature.bind(backend, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _plain_self_attention(call: Mapping[str, Any]) -> bool:
+    # Encoder, cross-attention and sliding-window layers keep SGLang's path.
+    return (
+        call["encoder_lens"] is None
+        and not call["is_cross_attn"]
+        and call["sliding_window_size"] is None
+    )
+
+
+def _attend_new_queries(
+    call: Mapping[str, Any], prefix_lens: Sequence[int], new_lens: Sequence[int]
+) -> torch.Tensor:
+    """Each request's new queries (packed in order in `query`) at positions prefix_len.., over
+    its pooled K/V; written into and returning `output`."""
+    query, output = call["query"], call["output"]
+    start = 0
+    for row, prefix_len, new_len, seq_len in zip(
+        call["req_pool_indices"].tolist(),
+        prefix_lens,
+        new_lens,
+        call["seq_lens"].tolist(),
+        strict=True,
+    ):
+        end = start + new_len
+        positions = torch.arange(prefix_len, seq_len, device=query.device)
+        output[start:end] = gather_attend(
+            query[start:end],
+            call["k_cache"],
+            call["v_cache"],
+            call["req_to_token"][row, :seq_len],
+            positions,
+            call["scaling"],
+        )
+        start = end
+    return output
 
 
 def create_torch_position_backend(runner: ModelRunner) -> Any:
