@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     ChunkRegistry,
     registering_chunk,
 )
+from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
 
 logger = logging.getLogger(__name__)
@@ -173,7 +175,9 @@ def _run_fused_batch(
     out_cache_loc = forward_batch.out_cache_loc
     logits, infos = [], []
     offset = 0
+    metrics = extension_metrics()
     for plan in plans:
+        began = time.perf_counter()
         result = fused_prefill(adapter, plan.segments, plan.selector(), return_kv=True)
         assert result.kv is not None
         loc = out_cache_loc[offset : offset + plan.extend_len]
@@ -191,11 +195,15 @@ def _run_fused_batch(
             values = result.kv.values[layer][plan.prefix_len :]
             kv_pool.get_key_buffer(layer_id)[loc] = keys.to(kv_pool.dtype)
             kv_pool.get_value_buffer(layer_id)[loc] = values.to(kv_pool.dtype)
+        if metrics is not None and loc.is_cuda:
+            torch.cuda.synchronize(loc.device)  # the time of the work, not of queueing it
+        prefill_s = time.perf_counter() - began
         offset += plan.extend_len
         logits.append(result.logits)
         assert plan.options is not None
         plan.req.skip_radix_cache_insert = True
         reused = result.num_chunk_tokens - int(result.selected.numel())
+        recomputed = result.num_tokens - reused
         infos.append(
             {
                 "fused": True,
@@ -205,11 +213,16 @@ def _run_fused_batch(
                 "chunks_hit": len(plan.pinned),
                 "chunk_tokens": result.num_chunk_tokens,
                 "tokens_reused": reused,
-                "tokens_recomputed": result.num_tokens - reused,
+                "tokens_recomputed": recomputed,
             }
         )
         rt.counters["fused_requests"] += 1
         rt.counters["tokens_reused"] += reused
+        if metrics is not None:
+            options = plan.options
+            metrics.fused_request(
+                options.selector, options.recompute_ratio, reused, recomputed, prefill_s
+            )
     output = LogitsProcessorOutput(next_token_logits=torch.stack(logits).to(runner.device))
     _report(output, infos)
     return ModelRunnerOutput(logits_output=output, can_run_graph=False)

@@ -19,6 +19,7 @@ from sglang_hicache_ext.fusion.selectors import Selector, make_selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
+from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 logger = logging.getLogger(__name__)
@@ -158,9 +159,12 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
     elif not _extend_tokens_agree(forward_batch, plans):
         fall_back(rt, plans, "inconsistent_batch")
         logger.error("fusion: batch tokens differ from the requests' prompts; normal prefill")
+    metrics = extension_metrics()
     for plan in plans:
         if plan.fallback is not None:
             rt.counters[f"fallback_{plan.fallback}"] += 1
+            if metrics is not None:
+                metrics.fusion_fallback(plan.fallback)
             logger.info("request %s: normal prefill (%s)", plan.rid, plan.fallback)
     return plans
 
@@ -177,6 +181,8 @@ def options_of(rt: FusionRuntime, req: Any, count: bool = True) -> FusionOptions
     except ValueError:  # validated at the HTTP layer; an engine API caller may bypass it
         if count:
             rt.counters["fallback_bad_options"] += 1
+            if (metrics := extension_metrics()) is not None:
+                metrics.fusion_fallback("bad_options")
         return None
 
 
@@ -238,15 +244,21 @@ def pinned_chunk_segments(
     segments: list[Segment] = []
     pinned: list[str] = []
     cursor = 0
+    metrics = extension_metrics()
     for match in registry.index.find(tokens):
         try:
             chunk = registry.store.pin(match.chunk_id)
         except KeyError:
+            if metrics is not None:
+                metrics.chunk_miss()
             continue
         pinned.append(match.chunk_id)
         if match.prompt_start > cursor:
             segments.append(TextSegment(tuple(tokens[cursor : match.prompt_start])))
-        segments.append(ChunkSegment(_slice(chunk, match.chunk_start, match.chunk_end)))
+        span = _slice(chunk, match.chunk_start, match.chunk_end)
+        if metrics is not None:
+            metrics.chunk_hit(span.nbytes)
+        segments.append(ChunkSegment(span))
         cursor = match.prompt_end
     if cursor < len(tokens):
         segments.append(TextSegment(tuple(tokens[cursor:])))

@@ -19,6 +19,7 @@ from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
+from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ChunkRegistry:
         if len(token_ids) >= self.index.anchor_tokens:
             self.index.add(chunk_id, token_ids)
         self.generation += 1
+        self._report_stored_bytes()
         logger.info(
             "chunk %s registered: %d tokens, %d bytes", chunk_id[:12], len(token_ids), chunk.nbytes
         )
@@ -133,7 +135,12 @@ class ChunkRegistry:
         if chunk_id in self.index:
             self.index.remove(chunk_id)
         self.generation += 1
+        self._report_stored_bytes()
         return True
+
+    def _report_stored_bytes(self) -> None:
+        if (metrics := extension_metrics()) is not None:
+            metrics.chunk_stored_bytes(self.store.stats().bytes_used)
 
     def stats(self) -> dict[str, Any]:
         stats = self.store.stats()

@@ -1,0 +1,254 @@
+"""The extension's series on SGLang's own Prometheus endpoint (`--enable-metrics`, `GET /metrics`).
+
+SGLang serves `/metrics` from its HTTP process with prometheus-client in multiprocess mode: it
+sets `PROMETHEUS_MULTIPROC_DIR` before it starts the scheduler, every process writes its series
+to files there, and the HTTP process merges them at scrape time. The extension's events happen in
+the scheduler process (fusion plans and forwards, the chunk store, the disk tier's threads), so
+the series are created there, on first use, and only when SGLang's metrics are on: with metrics
+off `extension_metrics()` is None after one check and every call site skips its update.
+
+Names follow SGLang's own series: the `sglang:` prefix, counters ending in `_total`, units in the
+name (`_seconds`, `_bytes`), the `model_name` and `tp_rank` labels of SGLang's scheduler series
+(plus SGLang's `--extra-metric-labels`), and one label per dimension (`selector`, `reason`,
+`tier`, `group`, `kind`). Gauges are per process (`tp_rank`), merged `mostrecent` as SGLang's
+are. The JSON routes (`/server_info`, `/chunks`, `/hicache_ext/storage`) report the same counts
+for humans; README "Metrics" lists every series.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+PREFIX = "sglang:hicache_ext_"
+CHUNK_STORE_TIER = "host"  # registered chunks' KV lives in host memory (tiers/chunk_store.py)
+
+# Seconds of one fused prefill on CPU and GPU: milliseconds (small prompts, GPU) to minutes
+# (long prompts on a CPU).
+PREFILL_SECONDS_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+RECOMPUTE_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+class ExtensionMetrics:
+    """Every series of the extension, labelled for one scheduler process."""
+
+    def __init__(self, labels: Mapping[str, str], registry: Any = None) -> None:
+        # Imported here: prometheus-client picks its multiprocess value class at import, after
+        # SGLang has set PROMETHEUS_MULTIPROC_DIR.
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+        self.labels = dict(labels)
+        base = list(self.labels)
+        where = {"registry": registry if registry is not None else REGISTRY}
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(f"{PREFIX}{name}", doc, [*base, *extra], **where)
+
+        self._fused = counter(
+            "fused_requests_total", "Requests whose prefill ran through chunk fusion.", "selector"
+        )
+        self._reused = counter(
+            "fusion_tokens_reused_total",
+            "Chunk tokens of fused prefills whose stored KV was reused (not recomputed).",
+            "selector",
+        )
+        self._recomputed = counter(
+            "fusion_tokens_recomputed_total",
+            "Tokens of fused prefills computed by the model: text tokens and the selected chunk "
+            "tokens.",
+            "selector",
+        )
+        self._fallbacks = counter(
+            "fusion_fallbacks_total",
+            "Requests that asked for fusion and got SGLang's normal prefill, by reason.",
+            "reason",
+        )
+        self._prefill_seconds = Histogram(
+            f"{PREFIX}fused_prefill_seconds",
+            "Scheduler wall time of one fused request's prefill forward: the fusion executor "
+            "and the writes of its K/V into SGLang's pool (no queueing, tokenizing or decode).",
+            [*base, "selector"],
+            buckets=PREFILL_SECONDS_BUCKETS,
+            **where,
+        )
+        self._ratio = Histogram(
+            f"{PREFIX}fusion_recompute_ratio",
+            "Recompute ratio (option) each fused request used.",
+            [*base, "selector"],
+            buckets=RECOMPUTE_RATIO_BUCKETS,
+            **where,
+        )
+        self._chunk_hits = counter(
+            "chunk_hits_total",
+            "Chunks matched in a prompt by a fusion plan and found in the tier.",
+            "tier",
+        )
+        self._chunk_misses = counter(
+            "chunk_misses_total",
+            "Chunks matched in a prompt by a fusion plan but gone from the tier (evicted or "
+            "deleted since the match).",
+            "tier",
+        )
+        self._chunk_read_bytes = counter(
+            "chunk_read_bytes_total",
+            "KV bytes of the chunk spans fusion plans took from the tier.",
+            "tier",
+        )
+        self._chunk_stored_bytes = Gauge(
+            f"{PREFIX}chunk_stored_bytes",
+            "KV bytes of registered chunks held in the tier.",
+            [*base, "tier"],
+            multiprocess_mode="mostrecent",
+            **where,
+        )
+        self._disk_hits = counter(
+            "disk_hits_total", "Pages read from the disk tier into host memory.", "group"
+        )
+        self._disk_read_bytes = counter(
+            "disk_read_bytes_total", "Bytes of pages read from the disk tier.", "group"
+        )
+        self._disk_written_bytes = counter(
+            "disk_written_bytes_total", "Bytes of pages written to the disk tier.", "group"
+        )
+        self._disk_expired = counter(
+            "disk_expired_pages_total", "Pages removed from the disk tier at their TTL.", "group"
+        )
+        self._replans = counter("ttl_replans_total", "Group TTL plans published by the disk tier.")
+        self._ttl_seconds = Gauge(
+            f"{PREFIX}ttl_seconds",
+            "Current TTL of a disk tier group.",
+            [*base, "group"],
+            multiprocess_mode="mostrecent",
+            **where,
+        )
+        self._storage_errors = counter(
+            "storage_errors_total",
+            "Disk tier faults answered as misses, by kind (see GET /hicache_ext/storage errors).",
+            "kind",
+        )
+        # Series that exist from the start (0), so that a rate over them is defined at once.
+        for series in (self._chunk_hits, self._chunk_misses, self._chunk_read_bytes):
+            series.labels(**self.labels, tier=CHUNK_STORE_TIER)
+        self._replans.labels(**self.labels)
+
+    # -- fusion -----------------------------------------------------------------------------
+
+    def fused_request(
+        self,
+        selector: str,
+        recompute_ratio: float,
+        tokens_reused: int,
+        tokens_recomputed: int,
+        prefill_s: float,
+    ) -> None:
+        labels = {**self.labels, "selector": selector}
+        self._fused.labels(**labels).inc()
+        self._reused.labels(**labels).inc(tokens_reused)
+        self._recomputed.labels(**labels).inc(tokens_recomputed)
+        self._prefill_seconds.labels(**labels).observe(prefill_s)
+        self._ratio.labels(**labels).observe(recompute_ratio)
+
+    def fusion_fallback(self, reason: str) -> None:
+        self._fallbacks.labels(**self.labels, reason=reason).inc()
+
+    def chunk_hit(self, nbytes: int, tier: str = CHUNK_STORE_TIER) -> None:
+        self._chunk_hits.labels(**self.labels, tier=tier).inc()
+        self._chunk_read_bytes.labels(**self.labels, tier=tier).inc(nbytes)
+
+    def chunk_miss(self, tier: str = CHUNK_STORE_TIER) -> None:
+        self._chunk_misses.labels(**self.labels, tier=tier).inc()
+
+    def chunk_stored_bytes(self, nbytes: int, tier: str = CHUNK_STORE_TIER) -> None:
+        self._chunk_stored_bytes.labels(**self.labels, tier=tier).set(nbytes)
+
+    # -- disk tier ----------------------------------------------------------------------------
+
+    def disk_read(self, group: str, nbytes: int) -> None:
+        self._disk_hits.labels(**self.labels, group=group).inc()
+        self._disk_read_bytes.labels(**self.labels, group=group).inc(nbytes)
+
+    def disk_written(self, group: str, nbytes: int) -> None:
+        self._disk_written_bytes.labels(**self.labels, group=group).inc(nbytes)
+
+    def disk_expired(self, group: str, pages: int = 1) -> None:
+        self._disk_expired.labels(**self.labels, group=group).inc(pages)
+
+    def ttl_replanned(self, ttls: Mapping[str, float]) -> None:
+        """One published plan and the TTL of every group it set."""
+        self._replans.labels(**self.labels).inc()
+        self.ttl_set(ttls)
+
+    def ttl_set(self, ttls: Mapping[str, float]) -> None:
+        for group, seconds in ttls.items():
+            self._ttl_seconds.labels(**self.labels, group=group).set(seconds)
+
+    def storage_error(self, kind: str, count: int = 1) -> None:
+        self._storage_errors.labels(**self.labels, kind=kind).inc(count)
+
+
+class CountMirror:
+    """Exports counts a core keeps itself (it imports no prometheus) as counter increments:
+    each `changes` call returns what grew since the last call, per key."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def changes(self, counts: Mapping[str, int]) -> dict[str, int]:
+        grown: dict[str, int] = {}
+        with self._lock:
+            for key, value in counts.items():
+                delta = int(value) - self._seen.get(key, 0)
+                if delta > 0:
+                    grown[key] = delta
+                self._seen[key] = max(int(value), self._seen.get(key, 0))
+        return grown
+
+
+_UNRESOLVED: Any = object()
+_metrics: ExtensionMetrics | None = _UNRESOLVED
+_resolve_lock = threading.Lock()
+
+
+def extension_metrics() -> ExtensionMetrics | None:
+    """This process's series when SGLang's metrics are on, else None (decided once)."""
+    metrics = _metrics
+    if metrics is not _UNRESOLVED:
+        return metrics
+    with _resolve_lock:
+        return _resolve()
+
+
+def _resolve() -> ExtensionMetrics | None:
+    global _metrics
+    if _metrics is not _UNRESOLVED:
+        return _metrics
+    try:
+        from sglang.srt.runtime_context import get_observability
+    except ImportError:
+        _metrics = None
+        return None
+    try:
+        observability = get_observability()
+    except ValueError:  # SGLang's config not published in this process (yet): ask again later
+        return None
+    _metrics = (
+        ExtensionMetrics(_sglang_labels(observability)) if observability.enable_metrics else None
+    )
+    return _metrics
+
+
+def _sglang_labels(observability: Any) -> dict[str, str]:
+    """The labels SGLang puts on its scheduler series: model name and tensor-parallel rank."""
+    from sglang.srt.runtime_context import get_parallel, get_serving
+
+    try:
+        tp_rank = get_parallel().tp_rank
+    except RuntimeError:  # rank never written in this process: a single-process engine
+        tp_rank = 0
+    labels = {"model_name": str(get_serving().served_model_name), "tp_rank": str(tp_rank)}
+    labels.update({str(k): str(v) for k, v in (observability.extra_metric_labels or {}).items()})
+    return labels
