@@ -18,10 +18,7 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import requests
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -35,6 +32,7 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     free_port,
     running_server,
 )
+from sglang_hicache_ext.sglang_ext.tools.streaming_client import stream_generate  # noqa: E402
 
 from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
 
@@ -86,7 +84,6 @@ def stream_answer(
 ) -> tuple[str, float, dict]:
     body = {
         "text": prompt,
-        "stream": True,
         "sampling_params": {
             "max_new_tokens": max_tokens,
             "temperature": 0,
@@ -94,21 +91,8 @@ def stream_answer(
             "stop": ["<|im_end|>"],
         },
     }
-    start = time.perf_counter()
-    first: float | None = None
-    text, meta = "", {}
-    with requests.post(url + "/generate", json=body, stream=True, timeout=1200) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            if first is None:
-                first = time.perf_counter() - start
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            text, meta = chunk["text"], chunk["meta_info"]
-    return text.strip(), first or 0.0, meta
+    answer = stream_generate(url, body, timeout=1200)
+    return answer.text.strip(), answer.ttft_s, answer.meta
 
 
 def summarise(rows: list[dict], table: dict[str, dict[str, object]]) -> dict[str, dict[str, float]]:
