@@ -42,17 +42,11 @@ def llama3_8b_config(small: bool) -> Any:
     from transformers import LlamaConfig
 
     if small:
-        return LlamaConfig(
-            vocab_size=1024,
-            hidden_size=64,
-            intermediate_size=128,
-            # Four layers so a3/cacheblend (check layer 1) still have fused layers after it.
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        )
+        from scripts.prepare_models import tiny_config
+
+        # The tests' tiny Llama: four layers, so a3/cacheblend (check layer 1) still have fused
+        # layers after it.
+        return tiny_config("llama", vocab_size=1024)
     return LlamaConfig(
         vocab_size=128256,
         hidden_size=4096,

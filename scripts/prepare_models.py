@@ -16,38 +16,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-SMOLLM2 = "SmolLM2-135M-Instruct"
-TINY_LLAMA = "tiny-llama"
-TINY_QWEN2 = "tiny-qwen2"
-_DONE_MARKER = ".prepared"
+# The folder layout is shared with the installed code, which finds models without importing this.
+from sglang_hicache_ext.evaluation.model_paths import (
+    PREPARED_MARKER,
+    SMOLLM2,
+    TINY_LLAMA,
+    TINY_QWEN2,
+    cache_dir,
+    model_dir,
+)
 
-
-def cache_dir() -> Path:
-    root = os.environ.get("SGLANG_EXT_CACHE") or Path.home() / ".cache" / "sglang-hicache-ext"
-    return Path(root) / "models"
-
-
-def model_dir(name: str) -> Path:
-    return cache_dir() / name
+__all__ = ["SMOLLM2", "TINY_LLAMA", "TINY_QWEN2", "cache_dir", "model_dir", "prepare", "tiny_config"]
 
 
 def _prepare_atomically(name: str, build: Callable[[Path], None]) -> Path:
     """Build into a temporary folder and rename it into place, so a killed run leaves no half model."""
     target = model_dir(name)
-    if (target / _DONE_MARKER).exists():
+    if (target / PREPARED_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         build(staging)
-        (staging / _DONE_MARKER).write_text("ok\n")
+        (staging / PREPARED_MARKER).write_text("ok\n")
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
@@ -136,7 +134,8 @@ def _train_tokenizer(out: Path, vocab_size: int = 1024) -> None:
     fast.save_pretrained(out)
 
 
-def _tiny_config(family: str, vocab_size: int):
+def tiny_config(family: str, vocab_size: int) -> Any:
+    """A 4-layer random Llama or Qwen2 config (also the fusion GPU benchmark's `--small` model)."""
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
@@ -165,7 +164,7 @@ def _build_tiny(family: str) -> Callable[[Path], None]:
 
         _train_tokenizer(out)
         torch.manual_seed(0)
-        config = _tiny_config(family, vocab_size=1024)
+        config = tiny_config(family, vocab_size=1024)
         model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
         model.save_pretrained(out, safe_serialization=True)
 
