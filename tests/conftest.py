@@ -66,8 +66,9 @@ def hicache_server(
         hierarchical_cache=True,
         hicache_storage_backend="file",
         hicache_storage_dir=str(workdir / "hicache"),
-        # Host tier large enough to keep the target while fillers push it off the device.
-        extra_args=("--hicache-ratio", "4"),
+        # Host tier large enough to keep the target while fillers push it off the device;
+        # SGLang's Prometheus /metrics on, for tests/test_server_metrics.py.
+        extra_args=("--hicache-ratio", "4", "--enable-metrics"),
     )
     with running_server(config, log_path=workdir / "server.log") as running:
         yield running

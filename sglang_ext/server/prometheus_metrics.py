@@ -132,7 +132,6 @@ class ExtensionMetrics:
         # Series that exist from the start (0), so that a rate over them is defined at once.
         for series in (self._chunk_hits, self._chunk_misses, self._chunk_read_bytes):
             series.labels(**self.labels, tier=CHUNK_STORE_TIER)
-        self._replans.labels(**self.labels)
 
     # -- fusion -----------------------------------------------------------------------------
 
