@@ -46,7 +46,7 @@ def cache_class() -> type:
             settings: ExtensionSettings = ExtensionSettings()
             chunks: ChunkRegistry | None = None
             chunks_unavailable: str = "not initialised"
-            disk_tier: Any = None  # sglang_hicache_ext.sglang_ext.disk_tier.storage_backend.KaretoDiskStorage when in use
+            disk_tier: Any = None  # sglang_hicache_ext.sglang_ext.disk_tier.storage_backend.GroupTTLDiskStorage when in use
             _recorded_rids: OrderedDict[str, None] | None = None
 
             def match_prefix(self, params: Any) -> Any:
@@ -217,7 +217,7 @@ def _handle_storage_control(scheduler: Any, recv_req: Any) -> None:
             raise RuntimeError(
                 "the disk tier is not in use (start with --radix-cache-backend hicache_ext, "
                 "--enable-hierarchical-cache and --hicache-storage-backend dynamic with "
-                "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend.KaretoDiskStorage)"
+                "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend.GroupTTLDiskStorage)"
             )
         if name == "status":
             response = disk_tier.status(pages=int(body.get("pages", 0)))

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.disk_tier.options import disk_tier_extra_config
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLock, DirectoryLockedError, holder_pid
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,12 +119,12 @@ def _disk_tier_args(disk_dir: Path) -> SimpleNamespace:
 
 def test_preflight_refuses_a_disk_dir_claimed_by_another_live_server(tmp_path: Path) -> None:
     # Imported here: spawned children import this module, and need not load SGLang.
-    from sglang_hicache_ext.sglang_ext.disk_tier import storage_backend
+    from sglang_hicache_ext.sglang_ext.disk_tier import dir_claim
     from sglang_hicache_ext.sglang_ext.server.preflight import PreflightError, check_disk_tier
 
     disk_dir = tmp_path / "disk"
     disk_dir.mkdir()
-    other = _holder(disk_dir, storage_backend.SERVER_LOCK_NAME)  # as the other launcher does
+    other = _holder(disk_dir, dir_claim.SERVER_LOCK_NAME)  # as the other launcher does
     try:
         with pytest.raises(PreflightError) as caught:
             check_disk_tier(_disk_tier_args(disk_dir))
@@ -138,7 +138,7 @@ def test_preflight_refuses_a_disk_dir_claimed_by_another_live_server(tmp_path: P
         check_disk_tier(_disk_tier_args(disk_dir))  # the holder is gone: claimed by us
         check_disk_tier(_disk_tier_args(disk_dir))  # again in the same process: re-entrant
         with pytest.raises(DirectoryLockedError):
-            DirectoryLock(disk_dir, storage_backend.SERVER_LOCK_NAME)
+            DirectoryLock(disk_dir, dir_claim.SERVER_LOCK_NAME)
     finally:
-        storage_backend.release_disk_dir(disk_dir)
-    DirectoryLock(disk_dir, storage_backend.SERVER_LOCK_NAME).release()
+        dir_claim.release_disk_dir(disk_dir)
+    DirectoryLock(disk_dir, dir_claim.SERVER_LOCK_NAME).release()

@@ -143,7 +143,7 @@ def _disk_tier_args(extra: dict[str, object], radix: str = "hicache_ext") -> Sim
 DISK_TIER = {
     "backend_name": "hicache_ext_disk",
     "module_path": "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend",
-    "class_name": "KaretoDiskStorage",
+    "class_name": "GroupTTLDiskStorage",
     "interface_v1": 1,
     "prefetch_threshold": 64,  # SGLang's own keys are accepted
 }

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.disk_tier.options import disk_tier_extra_config
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     flush_cache,

@@ -22,11 +22,9 @@ import pytest
 import sglang_hicache_ext.tiers.disk_store as disk_store
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import (
-    HISTORY_FILE_NAME,
-    KaretoDiskStorage,
-    disk_tier_extra_config,
-)
+from sglang_hicache_ext.sglang_ext.disk_tier.history import HISTORY_FILE_NAME
+from sglang_hicache_ext.sglang_ext.disk_tier.options import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import GroupTTLDiskStorage
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,14 +72,14 @@ def storage_config(disk_dir: Path, **options: Any) -> HiCacheStorageConfig:
     )
 
 
-def open_backend(disk_dir: Path, **options: Any) -> KaretoDiskStorage:
-    backend = KaretoDiskStorage(storage_config(disk_dir, **options))
+def open_backend(disk_dir: Path, **options: Any) -> GroupTTLDiskStorage:
+    backend = GroupTTLDiskStorage(storage_config(disk_dir, **options))
     backend.register_mem_pool_host(HostPool())  # type: ignore[arg-type]
     return backend
 
 
 @pytest.fixture
-def backend(tmp_path: Path) -> Iterator[KaretoDiskStorage]:
+def backend(tmp_path: Path) -> Iterator[GroupTTLDiskStorage]:
     opened = open_backend(tmp_path)
     yield opened
     opened.close()
@@ -99,7 +97,7 @@ def _boom(*args: object, **kwargs: object) -> None:
     raise RuntimeError("injected")
 
 
-ENTRY_POINTS: dict[str, tuple[str, Callable[[KaretoDiskStorage], Any], Any, str]] = {
+ENTRY_POINTS: dict[str, tuple[str, Callable[[GroupTTLDiskStorage], Any], Any, str]] = {
     # entry point: (store method made to fail, call, fallback, whose count grows)
     "batch_set_v1": (
         "put",
@@ -137,7 +135,7 @@ ENTRY_POINTS: dict[str, tuple[str, Callable[[KaretoDiskStorage], Any], Any, str]
 
 @pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
 def test_every_entry_point_turns_an_exception_into_a_miss(
-    backend: KaretoDiskStorage, monkeypatch: pytest.MonkeyPatch, entry_point: str
+    backend: GroupTTLDiskStorage, monkeypatch: pytest.MonkeyPatch, entry_point: str
 ) -> None:
     store_method, call, fallback, counted_as = ENTRY_POINTS[entry_point]
     assert backend.batch_set_v1(keys(3), host_indices(3)) == [True] * 3
@@ -148,7 +146,7 @@ def test_every_entry_point_turns_an_exception_into_a_miss(
     assert sum(exceptions.values()) == exceptions[counted_as], exceptions
 
 
-def test_bad_arguments_from_the_caller_are_a_miss_too(backend: KaretoDiskStorage) -> None:
+def test_bad_arguments_from_the_caller_are_a_miss_too(backend: GroupTTLDiskStorage) -> None:
     assert backend.batch_set_v1(["", keys(1)[0]], host_indices(2)) == [False, True]
     assert backend.touch(keys(2), groups=["one"]) == 0  # lengths differ
     assert backend.batch_exists(None) == 0  # type: ignore[arg-type]
@@ -161,7 +159,7 @@ def test_bad_arguments_from_the_caller_are_a_miss_too(backend: KaretoDiskStorage
 
 
 def test_storage_faults_are_false_not_exceptions(
-    backend: KaretoDiskStorage, monkeypatch: pytest.MonkeyPatch
+    backend: GroupTTLDiskStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def eio(directory: Path) -> None:
         raise OSError(errno.EIO, "injected")
@@ -190,7 +188,7 @@ def test_one_backend_per_shard_folder_and_close_releases_it(tmp_path: Path) -> N
     second.close()
 
 
-def _record(backend: KaretoDiskStorage, requests: int) -> None:
+def _record(backend: GroupTTLDiskStorage, requests: int) -> None:
     shared = keys(2, "s")
     for i in range(requests):
         backend.online.record([*shared, *keys(3, f"d{i % 3}-")], device_pages=1)

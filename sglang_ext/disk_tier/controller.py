@@ -11,25 +11,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import (
-    WRITE_INFO_KEY,
-    KaretoDiskStorage,
-    PageWriteInfo,
-)
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import GroupTTLDiskStorage
+from sglang_hicache_ext.sglang_ext.disk_tier.write_info import WRITE_INFO_KEY, PageWriteInfo
 
 logger = logging.getLogger(__name__)
 
 _classes: dict[type, type] = {}
 
 
-def disk_backend(cache: Any) -> KaretoDiskStorage | None:
+def disk_backend(cache: Any) -> GroupTTLDiskStorage | None:
     """Our backend when it is the tree's storage tier."""
     controller = getattr(cache, "cache_controller", None)
     backend = getattr(controller, "storage_backend", None)
-    return backend if isinstance(backend, KaretoDiskStorage) else None
+    return backend if isinstance(backend, GroupTTLDiskStorage) else None
 
 
-def install(cache: Any) -> KaretoDiskStorage | None:
+def install(cache: Any) -> GroupTTLDiskStorage | None:
     """Switch `cache`'s controller to the TTL-passing subclass; the backend, or None."""
     backend = disk_backend(cache)
     if backend is None:
@@ -63,9 +60,7 @@ def controller_class(base: type) -> type:
 
                 try:
                     online = self.storage_backend.online
-                    prefix = list(getattr(extra_info, "prefix_keys", None) or [])
-                    groups = online.groups_of(prefix + list(hash_values))[len(prefix) :]
-                    info = PageWriteInfo(tuple(groups), tuple(online.ttl_of(g) for g in groups))
+                    info = PageWriteInfo.of_pages(online, hash_values, extra_info)
                     if extra_info is None:
                         extra_info = HiCacheStorageExtraInfo()
                     extra_info.extra_info = {
