@@ -47,7 +47,7 @@ lint: env
 	$(PY) -m ruff check .
 
 bench-cpu-attention: env models
-	$(PY) benchmarks/cpu_attention.py
+	$(PY) -m benchmarks.cpu_attention
 
 clean-env:
 	rm -rf $(VENV)

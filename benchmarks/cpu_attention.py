@@ -7,32 +7,26 @@ paragraphs:
 - prefix-cached TTFT: the same prompt again, now fully in the radix cache.
 Then greedy outputs (16 tokens) of both backends are compared on `--agreement-prompts` prompts.
 Medians are reported; the JSON lands in benchmarks/results/cpu_attention.json.
+
+    python -m benchmarks.cpu_attention [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache, generate
+from tqdm import tqdm
 
-from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
-from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
-    ServerConfig,
-    flush_cache,
-    free_port,
-    generate,
-    running_server,
-)
-
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
+from benchmarks.smollm2_server import MODEL, RESULTS, smollm2_server, smollm2_tokenizer
 
 BACKENDS = ("torch_native", "torch_position")
 
@@ -66,10 +60,7 @@ def timed_generate(url: str, text: str, max_new_tokens: int) -> tuple[float, dic
     return time.perf_counter() - start, response
 
 
-def measure_backend(
-    backend: str, model: Path, prompts: list[str], agree: list[str], workdir: Path
-) -> dict:
-    config = ServerConfig(model_path=str(model), port=free_port(), attention_backend=backend)
+def measure_backend(backend: str, prompts: list[str], agree: list[str]) -> dict:
     result: dict = {
         "backend": backend,
         "full_ttft_s": [],
@@ -77,9 +68,9 @@ def measure_backend(
         "prompt_tokens": [],
         "outputs": [],
     }
-    with running_server(config, log_path=workdir / f"{backend}.log"):
+    with smollm2_server(f"cpu-attention-{backend}", attention_backend=backend) as config:
         timed_generate(config.url, "Warm-up request.", 1)
-        for prompt in prompts:
+        for prompt in tqdm(prompts, desc=backend, unit="prompt", disable=None):
             flush_cache(config.url)
             full_s, full = timed_generate(config.url, prompt, 1)
             cached_s, cached = timed_generate(config.url, prompt, 1)
@@ -89,9 +80,8 @@ def measure_backend(
             result["full_ttft_s"].append(full_s)
             result["cached_ttft_s"].append(cached_s)
             result["prompt_tokens"].append(full["meta_info"]["prompt_tokens"])
-            print(
-                f"  {backend}: {full['meta_info']['prompt_tokens']} tokens  full {full_s:.2f}s  cached {cached_s:.2f}s",
-                flush=True,
+            tqdm.write(
+                f"  {backend}: {full['meta_info']['prompt_tokens']} tokens  full {full_s:.2f}s  cached {cached_s:.2f}s"
             )
         for prompt in agree:
             _, out = timed_generate(config.url, prompt, 16)
@@ -107,21 +97,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=6000)
     parser.add_argument("--agreement-prompts", type=int, default=5)
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "benchmarks" / "results" / "cpu_attention.json"
-    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_attention.json")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
-    model = prepare(SMOLLM2)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = long_prompts(args.repeats, args.prompt_tokens, tokenizer)
+    prompts = long_prompts(args.repeats, args.prompt_tokens, smollm2_tokenizer())
     agree = agreement_prompts(args.agreement_prompts)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-cpu-attention-"))
-    runs = {
-        backend: measure_backend(backend, model, prompts, agree, workdir) for backend in BACKENDS
-    }
+    runs = {backend: measure_backend(backend, prompts, agree) for backend in BACKENDS}
 
     agreement = [
         a == b
@@ -131,9 +112,9 @@ def main() -> int:
     ]
     report = {
         "benchmark": "cpu_attention",
-        "model": SMOLLM2,
+        "model": MODEL,
         "dtype": "float32",
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "repeats": args.repeats,
         "ttft_method": "client latency of /generate with max_new_tokens=1",
         "backends": {

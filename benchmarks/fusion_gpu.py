@@ -6,7 +6,7 @@ suite runs it that way). Each request is a short system prefix, chunks that were
 beforehand (not timed), and a question. TTFT = median over repeats of one prefill to the last
 token's logits, after a warm-up. Results: JSON in benchmarks/results/.
 
-Usage: python benchmarks/fusion_gpu.py [--small] [--lengths 8192 16384 32768] [--ratio 0.15]
+Usage: python -m benchmarks.fusion_gpu [--small] [--lengths 8192 16384 32768] [--ratio 0.15]
 """
 
 from __future__ import annotations
@@ -15,24 +15,19 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
+from sglang_hicache_ext.fusion.executor import fused_prefill, precompute_chunk
+from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
+from sglang_hicache_ext.fusion.selectors import make_selector
+from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
-from sglang_hicache_ext.fusion.executor import fused_prefill, precompute_chunk  # noqa: E402
-from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment  # noqa: E402
-from sglang_hicache_ext.fusion.selectors import make_selector  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 FUSED_SELECTORS = ("a3", "freq", "cacheblend", "epic", "reuse")
 SYSTEM_TOKENS = 16
 QUESTION_TOKENS = 32
@@ -125,7 +120,7 @@ def run_length(
         "hf_forward_s": _hf_forward_seconds(adapter, ids.to(device), args.repeats, device),
         "fused": {},
     }
-    for name in args.selectors:
+    for name in tqdm(args.selectors, desc=f"{total} tokens", leave=False, disable=None):
         selector = make_selector(name, args.ratio, sink_tokens=args.sink_tokens)
         result = fused_prefill(adapter, segments, selector)
         seconds = median_seconds(
@@ -211,14 +206,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "results": [],
     }
-    for total in args.lengths:
+    for total in tqdm(args.lengths, desc="lengths", unit="length", disable=None):
         row = run_length(adapter, total, args, device)
         report["results"].append(row)
         fused = ", ".join(
             f"{name} {r['ttft_s'] * 1e3:.1f} ms (x{r['speedup_vs_full']:.2f})"
             for name, r in row["fused"].items()
         )
-        print(f"{total} tokens: full {row['full_s'] * 1e3:.1f} ms; {fused}", flush=True)
+        tqdm.write(f"{total} tokens: full {row['full_s'] * 1e3:.1f} ms; {fused}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -5,6 +5,8 @@ holds >= `--min-docs` registered HotpotQA paragraphs (shuffled) and >= `--min-to
 plus a question. Per prompt, after /flush_cache: the normal prefill, then each fused selector;
 TTFT = client latency of /generate with max_new_tokens=1. Medians over `--repeats` prompts;
 JSON in benchmarks/results/fusion_speed.json.
+
+    python -m benchmarks.fusion_speed [--repeats 5]
 """
 
 from __future__ import annotations
@@ -14,25 +16,16 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import requests
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.frontend import register_documents
+from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
+from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
-from sglang_hicache_ext.sglang_ext.frontend import register_documents  # noqa: E402
-from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
-    ServerConfig,
-    flush_cache,
-    free_port,
-    running_server,
-)
-
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
+from benchmarks.smollm2_server import MODEL, RESULTS, smollm2_server, smollm2_tokenizer
 
 MODES: dict[str, dict[str, object]] = {
     "normal": {},
@@ -79,25 +72,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--min-docs", type=int, default=6)
     parser.add_argument("--min-tokens", type=int, default=3000)
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "benchmarks" / "results" / "fusion_speed.json"
-    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "fusion_speed.json")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
-    model = prepare(SMOLLM2)
-    prompts = build_prompts(
-        args.repeats, args.min_docs, args.min_tokens, AutoTokenizer.from_pretrained(model)
-    )
-    config = ServerConfig(model_path=str(model), port=free_port())
+    prompts = build_prompts(args.repeats, args.min_docs, args.min_tokens, smollm2_tokenizer())
     runs: dict[str, list[float]] = {mode: [] for mode in MODES}
     details = []
-    with running_server(
-        config, log_path=Path(tempfile.mkdtemp(prefix="bench-fusion-speed-")) / "server.log"
-    ):
+    with smollm2_server("fusion-speed") as config:
         ttft(config.url, "Warm-up request.", {})
-        for docs, prompt in prompts:
+        for docs, prompt in tqdm(prompts, desc="prompts", unit="prompt", disable=None):
             register_documents(config.url, docs)
             row: dict[str, object] = {"documents": len(docs)}
             for mode, custom in MODES.items():
@@ -112,15 +95,14 @@ def main() -> int:
                 if mode != "normal" and not row[mode]["fusion"]:
                     raise RuntimeError(f"{mode} did not fuse: {meta}")
             details.append(row)
-            print(
+            tqdm.write(
                 f"{row['prompt_tokens']} tokens, {len(docs)} docs: "
-                + "  ".join(f"{m} {row[m]['ttft_s']:.2f}s" for m in MODES),
-                flush=True,
+                + "  ".join(f"{m} {row[m]['ttft_s']:.2f}s" for m in MODES)
             )
     medians = {mode: statistics.median(values) for mode, values in runs.items()}
     report = {
         "benchmark": "fusion_speed",
-        "model": SMOLLM2,
+        "model": MODEL,
         "ttft_method": "client latency of /generate with max_new_tokens=1, after /flush_cache",
         "median_ttft_s": medians,
         "ratio_to_normal": {mode: medians[mode] / medians["normal"] for mode in MODES},

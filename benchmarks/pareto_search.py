@@ -6,7 +6,7 @@ reference point built from every simulated configuration, and time one full-trac
 one core. Writes benchmarks/results/pareto_search.json, the adaptive frontier (JSON + PNG) under
 benchmarks/results/pareto_<N>/, and prints a Markdown table for docs/simulator.md.
 
-    .venv/bin/python benchmarks/pareto_search.py [--instances 1 4] [--workers 2]
+    .venv/bin/python -m benchmarks.pareto_search [--instances 1 4] [--workers 2]
 """
 
 from __future__ import annotations
@@ -18,34 +18,35 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search
+from sglang_hicache_ext.tuning.pareto.cli import write_frontier
+from sglang_hicache_ext.tuning.pareto.evaluator import Evaluator, Workload, objective_matrix
+from sglang_hicache_ext.tuning.pareto.front import pareto_mask
+from sglang_hicache_ext.tuning.pareto.grid import grid_search
+from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point
+from sglang_hicache_ext.tuning.pareto.plan import adaptive_settings, grid_space
+from sglang_hicache_ext.tuning.pareto.space import Point
+from sglang_hicache_ext.tuning.sim.simulator import simulate
+from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE, load_requests
+from tqdm import tqdm
 
-from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search  # noqa: E402
-from sglang_hicache_ext.tuning.pareto.cli import write_frontier  # noqa: E402
-from sglang_hicache_ext.tuning.pareto.evaluator import Evaluator, Workload, objective_matrix  # noqa: E402
-from sglang_hicache_ext.tuning.pareto.front import pareto_mask  # noqa: E402
-from sglang_hicache_ext.tuning.pareto.grid import grid_search  # noqa: E402
-from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point  # noqa: E402
-from sglang_hicache_ext.tuning.pareto.plan import adaptive_settings, grid_space  # noqa: E402
-from sglang_hicache_ext.tuning.pareto.space import Point  # noqa: E402
-from sglang_hicache_ext.tuning.sim.simulator import simulate  # noqa: E402
-from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE, load_requests  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def compare(trace: Path, instances: int, workers: int, limit: int | None) -> dict[str, Any]:
     space = grid_space()
     settings = adaptive_settings(space)
-    with Evaluator(Workload(trace, instances, limit), workers) as evaluator:
+    # The adaptive points are a subset of the grid, so the grid's size is the total.
+    with (
+        tqdm(
+            total=len(space.grid()), desc=f"{instances} instance(s)", unit="sim", disable=None
+        ) as bar,
+        Evaluator(Workload(trace, instances, limit), workers, progress=bar.update) as evaluator,
+    ):
         started = time.perf_counter()
         adaptive = adaptive_search(settings, evaluator)
         adaptive_s = time.perf_counter() - started
-        print(
-            f"{instances} instance(s): adaptive {len(adaptive)} sims in {adaptive_s:.0f} s",
-            flush=True,
-        )
+        tqdm.write(f"{instances} instance(s): adaptive {len(adaptive)} sims in {adaptive_s:.0f} s")
         grid = grid_search(space, evaluator)
         total_s = time.perf_counter() - started
     union = objective_matrix([*grid, *adaptive])

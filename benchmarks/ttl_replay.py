@@ -8,6 +8,8 @@ For each disk budget (average bytes on disk) on the Mooncake conversation trace:
 3. the best fixed TTL in hindsight: one TTL for the whole hour, the largest whose measured
    average disk bytes do not exceed those of (2) (found by root finding on the TTL).
 Writes benchmarks/results/ttl_replay.json and prints a table.
+
+    python -m benchmarks.ttl_replay [--budgets-gb 300,800,2000] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,30 +22,31 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from scipy.optimize import brentq  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 from sglang_hicache_ext.tiers.ttl_policy import TtlTable  # noqa: E402
-from sglang_hicache_ext.tuning.trace import TraceRequest, load_trace  # noqa: E402
-from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner  # noqa: E402
+from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE, TraceRequest, load_trace  # noqa: E402
+from sglang_hicache_ext.tuning.ttl.cli import replay_with_progress  # noqa: E402
+from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner  # noqa: E402
 from sglang_hicache_ext.tuning.ttl.replay import (  # noqa: E402
     DEFAULT_BYTES_PER_TOKEN,
     ReplayConfig,
     ReplayResult,
-    replay,
 )
+from tqdm import tqdm  # noqa: E402
 
-# shared/ sits beside the checkout (developers and CI alike).
-TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
+RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9
 MAX_TTL_S = 3600.0
+
+
+def replay(requests: list[TraceRequest], planner: TtlPlanner, config: ReplayConfig) -> ReplayResult:
+    """One full replay, with a transient progress bar under the budgets' bar."""
+    label = f"{planner.name} @ {config.disk_budget_bytes / GB:.0f} GB"
+    return replay_with_progress(requests, planner, config, label, leave=False)
 
 
 def summary(result: ReplayResult) -> dict[str, Any]:
@@ -121,7 +124,7 @@ def best_fixed_in_hindsight(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=CONVERSATION_TRACE)
     parser.add_argument("--budgets-gb", default="300,800,2000", help="small,medium,large")
     parser.add_argument("--groups", type=int, default=32)
     parser.add_argument("--period", type=float, default=120.0)
@@ -129,14 +132,15 @@ def main() -> int:
     parser.add_argument("--initial-ttl", type=float, default=300.0)
     parser.add_argument("--dram-gb", type=float, default=0.0)
     parser.add_argument("--calibration-steps", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/ttl_replay.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "ttl_replay.json")
     args = parser.parse_args()
 
     trace = load_trace(args.trace)
     bytes_per_block = 512 * DEFAULT_BYTES_PER_TOKEN
     rows = []
     started = time.time()
-    for budget_gb in (float(x) for x in args.budgets_gb.split(",")):
+    budgets = [float(x) for x in args.budgets_gb.split(",")]
+    for budget_gb in tqdm(budgets, desc="budgets", unit="budget", disable=None):
         config = ReplayConfig(
             bytes_per_block=bytes_per_block,
             disk_budget_bytes=budget_gb * GB,
@@ -164,13 +168,12 @@ def main() -> int:
             "group_bytes_le_fixed_bytes": group.avg_disk_bytes <= fixed.avg_disk_bytes,
         }
         rows.append(row)
-        print(
+        tqdm.write(
             f"{budget_gb:7.0f} GB | fixed {fixed.disk_hit_ratio:.4f} @ "
             f"{fixed.avg_disk_bytes / GB:7.1f} GB | group {group.disk_hit_ratio:.4f} @ "
             f"{group.avg_disk_bytes / GB:7.1f} GB (x{multiplier:.3f}) | hindsight "
             f"{hindsight.disk_hit_ratio:.4f} @ {hindsight.avg_disk_bytes / GB:7.1f} GB "
-            f"(TTL {hindsight_ttl:.0f} s) | group/hindsight {row['group_over_hindsight']:.4f}",
-            flush=True,
+            f"(TTL {hindsight_ttl:.0f} s) | group/hindsight {row['group_over_hindsight']:.4f}"
         )
     report = {
         "trace": str(args.trace),

@@ -1,6 +1,6 @@
 """Exploratory, in-process (no server): A3 scoring variants vs baselines on HotpotQA.
 
-Usage: `python benchmarks/exploratory/a3_variants.py N` -> `benchmarks/results/a3_variants_N.json`.
+Usage: `python -m benchmarks.exploratory.a3_variants N` -> `benchmarks/results/a3_variants_N.json`.
 Per mode: MiniLM similarity of 16-token greedy answers to the full prefill's, the share of the
 reuse -> full gap that closes, exact agreement, and the first-token KL divergence to full.
 Not part of the tests; kept so that the figures quoted in docs/fusion-sglang.md reproduce.
@@ -12,28 +12,22 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-
-from in_process import question_segments  # noqa: E402
-from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity  # noqa: E402
-from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
-from sglang_hicache_ext.fusion import generate_greedy, make_selector  # noqa: E402
-from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
-from sglang_hicache_ext.fusion.selectors import (  # noqa: E402
+from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.fusion import generate_greedy, make_selector
+from sglang_hicache_ext.fusion.selectors import (
     A3Selector,
     CacheBlendSelector,
     SelectionContext,
     Selector,
     _top,
 )
-from transformers import AutoTokenizer  # noqa: E402
+from tqdm import tqdm
 
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
+from benchmarks.exploratory.in_process import load_smollm2, question_segments
+from benchmarks.smollm2_server import RESULTS
 
 RATIO = 0.15
 ANSWER_TOKENS = 16
@@ -89,14 +83,12 @@ MODES: dict[str, Callable[[], Selector]] = {
 
 
 def main(questions: int) -> None:
-    torch.set_num_threads(1)
-    path = prepare(SMOLLM2)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    adapter = HFCausalLMAdapter.from_pretrained(str(path))
+    tokenizer, adapter = load_smollm2(threads=1)
     answers: dict[str, list[str]] = {mode: [] for mode in MODES}
     kl: dict[str, list[float]] = {mode: [] for mode in MODES}
     full_answers: list[str] = []
-    for index, example in enumerate(load_hotpotqa(questions, seed=2026)):
+    examples = load_hotpotqa(questions, seed=2026)
+    for index, example in enumerate(tqdm(examples, desc="questions", disable=None)):
         segments = question_segments(example, tokenizer, adapter)
         full = generate_greedy(adapter, segments, make_selector("full", 1.0), ANSWER_TOKENS)
         reference = full.first_logits.log_softmax(-1)
@@ -106,7 +98,7 @@ def main(questions: int) -> None:
             logp = run.first_logits.log_softmax(-1)
             kl[mode].append(float((reference.exp() * (reference - logp)).sum()))
             answers[mode].append(tokenizer.decode(run.token_ids, skip_special_tokens=True))
-        print(f"[{index + 1}/{questions}]", flush=True)
+        tqdm.write(f"[{index + 1}/{questions}]")
     summary = {}
     for mode in MODES:
         sims = embedding_similarity(answers[mode], full_answers)
@@ -123,7 +115,7 @@ def main(questions: int) -> None:
             f"{mode:<20} sim {row['similarity']:.3f} gap {row['gap_closed']:.2f} "
             f"exact {row['exact']:.2f} kl {row['first_token_kl']:.3f}"
         )
-    out = REPO / "benchmarks" / "results" / f"a3_variants_{questions}.json"
+    out = RESULTS / f"a3_variants_{questions}.json"
     out.write_text(
         json.dumps({"summary": summary, "answers": answers, "full": full_answers}, indent=1) + "\n"
     )

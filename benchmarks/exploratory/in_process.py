@@ -1,22 +1,28 @@
-"""The fusion quality benchmark's prompt for one question, as executor segments (no server)."""
+"""In-process setup of the exploratory scripts (no server): SmolLM2 as an executor adapter, and the
+fusion quality benchmark's prompt for one question as executor segments."""
 
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+import torch
+from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
+from sglang_hicache_ext.fusion import chunk_hash, precompute_chunk
+from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
+from sglang_hicache_ext.fusion.request import Segment
+from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 
-from fusion_quality import chatml_prompt, documents_of  # noqa: E402
-from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample  # noqa: E402
-from sglang_hicache_ext.fusion import chunk_hash, precompute_chunk  # noqa: E402
-from sglang_hicache_ext.fusion.adapter import ModelAdapter  # noqa: E402
-from sglang_hicache_ext.fusion.request import Segment  # noqa: E402
-from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments  # noqa: E402
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry  # noqa: E402
+from benchmarks.fusion_quality import chatml_prompt, documents_of
+from benchmarks.smollm2_server import smollm2_path, smollm2_tokenizer
+
+
+def load_smollm2(threads: int) -> tuple[Any, HFCausalLMAdapter]:
+    """SmolLM2's tokenizer and executor adapter, torch limited to `threads` threads."""
+    torch.set_num_threads(threads)
+    return smollm2_tokenizer(), HFCausalLMAdapter.from_pretrained(str(smollm2_path()))
 
 
 def question_segments(

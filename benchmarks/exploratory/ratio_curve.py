@@ -1,6 +1,6 @@
 """Exploratory, in-process (no server): answer quality against the recompute ratio, r up to 0.9.
 
-Usage: `python benchmarks/exploratory/ratio_curve.py [--questions N] [--resume]`
+Usage: `python -m benchmarks.exploratory.ratio_curve [--questions N] [--resume]`
 -> `benchmarks/results/fusion_ratio_curve.json` (`--resume` measures the questions and modes the
 file lacks).
 
@@ -29,22 +29,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.fusion import make_selector
+from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion.executor import KVCache, decode_step, fused_prefill
+from sglang_hicache_ext.fusion.request import Segment
+from sglang_hicache_ext.fusion.selectors import Selector
+from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-
-from in_process import question_segments  # noqa: E402
-from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity  # noqa: E402
-from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
-from sglang_hicache_ext.fusion import make_selector  # noqa: E402
-from sglang_hicache_ext.fusion.adapter import ModelAdapter  # noqa: E402
-from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter  # noqa: E402
-from sglang_hicache_ext.fusion.executor import KVCache, decode_step, fused_prefill  # noqa: E402
-from sglang_hicache_ext.fusion.request import Segment  # noqa: E402
-from sglang_hicache_ext.fusion.selectors import Selector  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
+from benchmarks.exploratory.in_process import load_smollm2, question_segments
+from benchmarks.smollm2_server import MODEL, RESULTS
 
 ANSWER_TOKENS = 16
 RATIOS = (0.15, 0.3, 0.5, 0.7, 0.9)
@@ -57,7 +52,7 @@ MODES: dict[str, tuple[str, float, int]] = {
     "a3+sink4@0.15": ("a3", 0.15, 4),
     "a3+sink16@0.15": ("a3", 0.15, 16),
 }
-OUT = REPO / "benchmarks" / "results" / "fusion_ratio_curve.json"
+OUT = RESULTS / "fusion_ratio_curve.json"
 
 
 def _kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
@@ -130,15 +125,13 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    torch.set_num_threads(2)
-    path = prepare(SMOLLM2)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    adapter = HFCausalLMAdapter.from_pretrained(str(path))
+    tokenizer, adapter = load_smollm2(threads=2)
     stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
     rows: list[dict] = json.loads(args.out.read_text())["rows"] if args.resume else []
     done = {row["qid"]: row for row in rows}
     started = time.perf_counter()
-    for index, example in enumerate(load_hotpotqa(args.questions, seed=2026)):
+    examples = load_hotpotqa(args.questions, seed=2026)
+    for index, example in enumerate(tqdm(examples, desc="questions", disable=None)):
         previous_row = done.get(example.qid)
         missing = [m for m in MODES if previous_row is None or m not in previous_row["modes"]]
         if not missing:
@@ -168,11 +161,11 @@ def main() -> int:
             }
         if previous_row is None:
             rows.append(row)
-        args.out.write_text(json.dumps({"model": SMOLLM2, "rows": rows}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"model": MODEL, "rows": rows}, indent=1) + "\n")
         elapsed = time.perf_counter() - started
-        print(f"[{index + 1}/{args.questions}] {elapsed:.0f}s", flush=True)
+        tqdm.write(f"[{index + 1}/{args.questions}] {elapsed:.0f}s")
     summary = _summarise(rows)
-    report = {"model": SMOLLM2, "questions": len(rows), "summary": summary, "rows": rows}
+    report = {"model": MODEL, "questions": len(rows), "summary": summary, "rows": rows}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'mode':<17}{'sim':>6}{'gap':>6}{'exact':>7}{'KL1':>7}{'gap':>6}{'KLtf':>7}{'gap':>6}")
     for mode, v in summary.items():

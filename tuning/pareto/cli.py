@@ -27,12 +27,15 @@ from sglang_hicache_ext.tuning.pareto.plot import plot_frontier
 from sglang_hicache_ext.tuning.pareto.select import Constraints, closest_miss, describe, select
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.trace import TraceError
+from tqdm import tqdm
 
 INFEASIBLE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sglang_hicache_ext.tuning.pareto", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_hicache_ext.tuning.pareto", description=__doc__
+    )
     parser.add_argument("--trace", required=True, type=Path, help="JSONL request trace")
     parser.add_argument("--instances", required=True, type=int, help="serving instances (GPUs)")
     parser.add_argument("--search", choices=("adaptive", "grid"), default="adaptive")
@@ -77,7 +80,12 @@ def _run(args: argparse.Namespace) -> int:
     space = grid_space(args.dram_max_gb, args.dram_step_gb, args.ttl_max_s, args.ttl_step_s, disks)
     workload = Workload(args.trace, args.instances, args.limit, profile)
     started = time.perf_counter()
-    with Evaluator(workload, args.workers) as evaluator:
+    # The grid's size is known; the adaptive search's is not (it stops when nothing is refined).
+    total = len(space.grid()) if args.search == "grid" else None
+    with (
+        tqdm(total=total, desc=f"{args.search} search", unit="sim", disable=None) as bar,
+        Evaluator(workload, args.workers, progress=bar.update) as evaluator,
+    ):
         if args.search == "grid":
             evaluated = grid_search(space, evaluator)
         else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,15 +77,24 @@ class PointEvaluator(ABC):
 
 
 class Evaluator(PointEvaluator):
-    """Memoised simulation in a pool of worker processes."""
+    """Memoised simulation in a pool of worker processes.
 
-    def __init__(self, workload: Workload, workers: int = 2) -> None:
+    `progress`, if given, is called with 1 after each new simulation (e.g. a tqdm bar's `update`).
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        workers: int = 2,
+        progress: Callable[[int], object] | None = None,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         load_requests(workload.trace, workload.limit)  # fail here, clearly, on a bad trace
         self.workload = workload
         self._pool = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(workload,))
         self._results: dict[Point, SimResult] = {}
+        self._progress = progress
 
     def __enter__(self) -> Evaluator:
         return self
@@ -102,4 +111,6 @@ class Evaluator(PointEvaluator):
         missing = [p for p in wanted if p not in self._results]
         for point, result in zip(missing, self._pool.map(_simulate_point, missing), strict=True):
             self._results[point] = result
+            if self._progress is not None:
+                self._progress(1)
         return [Evaluation(p, self._results[p]) for p in wanted]

@@ -9,9 +9,15 @@ import math
 import sys
 from collections.abc import Sequence
 
-from sglang_hicache_ext.tuning.trace import load_trace
+from sglang_hicache_ext.tuning.trace import TraceRequest, load_trace
 from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner
-from sglang_hicache_ext.tuning.ttl.replay import DEFAULT_BYTES_PER_TOKEN, ReplayConfig, replay
+from sglang_hicache_ext.tuning.ttl.replay import (
+    DEFAULT_BYTES_PER_TOKEN,
+    ReplayConfig,
+    ReplayResult,
+    replay,
+)
+from tqdm import tqdm
 
 GB = 1e9
 
@@ -58,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def replay_with_progress(
+    requests: Sequence[TraceRequest],
+    planner: TtlPlanner,
+    config: ReplayConfig,
+    label: str,
+    leave: bool = True,
+) -> ReplayResult:
+    """`replay` with a progress bar of its requests on stderr, shown only on a terminal."""
+    with tqdm(total=len(requests), desc=label, unit="req", leave=leave, disable=None) as bar:
+        return replay(requests, planner, config, progress=bar.update)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
@@ -90,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         validation = 0.0 if args.no_validation else 1 / 3
         planner = GroupTtlPlanner(args.groups, args.max_ttl, args.seed, validation)
-    result = replay(trace.requests, planner, config)
+    result = replay_with_progress(trace.requests, planner, config, f"replay ({planner.name})")
     report = {
         "trace": str(args.trace),
         "skipped_lines": trace.skipped_lines,

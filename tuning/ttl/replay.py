@@ -13,7 +13,7 @@ Online mode re-plans at every period boundary from the requests of earlier perio
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -30,6 +30,7 @@ from sglang_hicache_ext.tuning.ttl.planner import PlannedTtls, TtlPlanner
 # 32 layers x 2 (K and V) x 8 KV heads x 128 head dim x 2 bytes = 128 KiB; a 512-token block is
 # then 64 MiB.
 DEFAULT_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+_PROGRESS_EVERY = 1024  # requests between two progress reports
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,16 @@ class ReplayResult:
 
 
 def replay(
-    requests: Sequence[TraceRequest], planner: TtlPlanner, config: ReplayConfig
+    requests: Sequence[TraceRequest],
+    planner: TtlPlanner,
+    config: ReplayConfig,
+    progress: Callable[[int], object] | None = None,
 ) -> ReplayResult:
-    """Replay `requests` (time-sorted) with TTLs from `planner` under `config`."""
+    """Replay `requests` (time-sorted) with TTLs from `planner` under `config`.
+
+    `progress`, if given, is called with the number of requests replayed since its last call
+    (every 1024 requests and at the end), e.g. a tqdm bar's `update`.
+    """
     if not requests:
         return ReplayResult(planner.name, 0, 0, 0, 0.0, 0.0, 0.0)
     start, end = requests[0].time_s, requests[-1].time_s
@@ -140,7 +148,7 @@ def replay(
     seg_end: list[float] = []
     dram_hits = disk_hits = accesses = 0
     period = 1
-    for request in requests:
+    for done, request in enumerate(requests, start=1):
         now = request.time_s
         while config.online and period < len(boundaries) - 1 and now >= boundaries[period]:
             boundary = float(boundaries[period])
@@ -164,6 +172,10 @@ def replay(
             disk[page] = (now, policy.expiry_on_access(group, now))
         if config.online:
             recorder.record_request(now, request.pages)
+        if progress is not None and done % _PROGRESS_EVERY == 0:
+            progress(_PROGRESS_EVERY)
+    if progress is not None:
+        progress(len(requests) % _PROGRESS_EVERY)
     for last_access, expiry in disk.values():
         seg_start.append(last_access)
         seg_end.append(min(expiry, end))

@@ -1,0 +1,41 @@
+"""The model and server the CPU benchmarks measure: SmolLM2-135M-Instruct behind the plugin.
+
+Run the benchmarks from the repository root as modules (`python -m benchmarks.fusion_speed`), so
+that `benchmarks` and `scripts` import.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+
+from scripts.prepare_models import SMOLLM2, prepare
+
+MODEL = SMOLLM2
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def smollm2_path() -> Path:
+    """The prepared model folder (prepared on first use)."""
+    return prepare(SMOLLM2)
+
+
+def smollm2_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path())
+
+
+@contextmanager
+def smollm2_server(label: str, **settings: Any) -> Iterator[ServerConfig]:
+    """A server on a free port with `settings` (`ServerConfig` fields), stopped on exit; its log
+    is `server.log` in a fresh temporary folder named after `label`."""
+    config = ServerConfig(model_path=str(smollm2_path()), port=free_port(), **settings)
+    log_path = Path(tempfile.mkdtemp(prefix=f"bench-{label}-")) / "server.log"
+    with running_server(config, log_path=log_path):
+        yield config
