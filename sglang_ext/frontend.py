@@ -51,22 +51,25 @@ def register_documents(
 
 @dataclass(frozen=True)
 class FusionRequest:
-    """Per-request fusion options, as the server's `custom_params` keys."""
+    """Per-request fusion options, as the server's `custom_params` keys.
 
-    selector: str = "a3"
-    recompute_ratio: float = 0.15
+    None leaves an option to the server's settings (`fusion_selector`, `fusion_recompute_ratio`,
+    `fusion_sink_tokens`), the one place where its default is written.
+    """
+
+    selector: str | None = None
+    recompute_ratio: float | None = None
     enabled: bool = True
-    # None: the server's default (setting fusion_sink_tokens).
     sink_tokens: int | None = None
 
     def custom_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "fusion": self.enabled,
+        params: dict[str, Any] = {"fusion": self.enabled}
+        optional = {
             "fusion_selector": self.selector,
             "fusion_recompute_ratio": self.recompute_ratio,
+            "fusion_sink_tokens": self.sink_tokens,
         }
-        if self.sink_tokens is not None:
-            params["fusion_sink_tokens"] = self.sink_tokens
+        params.update({key: value for key, value in optional.items() if value is not None})
         return params
 
 
@@ -84,8 +87,8 @@ class FusionEndpoint(sgl.RuntimeEndpoint):
     @contextmanager
     def fusion(
         self,
-        selector: str = "a3",
-        recompute_ratio: float = 0.15,
+        selector: str | None = None,
+        recompute_ratio: float | None = None,
         enabled: bool = True,
         sink_tokens: int | None = None,
     ) -> Iterator[FusionRequest]:

@@ -25,11 +25,22 @@ def test_defaults_and_overrides() -> None:
     assert parse_options({"fusion": True}, with_sinks).sink_tokens == 2
 
 
-def test_frontend_sends_sink_tokens_only_when_set() -> None:
+def test_frontend_sends_only_the_options_it_sets() -> None:
     from sglang_hicache_ext.sglang_ext.frontend import FusionRequest
 
-    assert "fusion_sink_tokens" not in FusionRequest().custom_params()  # server default applies
+    assert FusionRequest().custom_params() == {"fusion": True}  # the server's defaults apply
     assert FusionRequest(sink_tokens=4).custom_params()["fusion_sink_tokens"] == 4
+    assert FusionRequest("epic", 0.3).custom_params() == {
+        "fusion": True,
+        "fusion_selector": "epic",
+        "fusion_recompute_ratio": 0.3,
+    }
+    # What the frontend leaves unset, the server fills from its settings.
+    parsed = parse_options(FusionRequest().custom_params(), DEFAULTS)
+    assert (parsed.selector, parsed.recompute_ratio) == (
+        DEFAULTS.fusion_selector,
+        DEFAULTS.fusion_recompute_ratio,
+    )
 
 
 @pytest.mark.parametrize(
