@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search
-from sglang_hicache_ext.tuning.pareto.cli import write_frontier
 from sglang_hicache_ext.tuning.pareto.evaluator import Evaluator, Workload, objective_matrix
 from sglang_hicache_ext.tuning.pareto.front import pareto_mask
+from sglang_hicache_ext.tuning.pareto.frontier_file import write_frontier
 from sglang_hicache_ext.tuning.pareto.grid import grid_search
 from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point
 from sglang_hicache_ext.tuning.pareto.plan import adaptive_settings, grid_space
@@ -55,11 +55,9 @@ def compare(trace: Path, instances: int, workers: int, limit: int | None) -> dic
     for name, evaluated in (("grid", grid), ("adaptive", adaptive)):
         matrix = objective_matrix(evaluated)
         hv[name] = hypervolume(matrix[pareto_mask(matrix)], reference)
-    title = f"{trace.name}, {instances} instance(s), adaptive: {len(adaptive)} sims"
     write_frontier(
         adaptive,
         RESULTS / f"pareto_{instances}",
-        title,
         {"trace": trace.name, "instances": instances, "search": "adaptive"},
     )
     return {

@@ -15,8 +15,9 @@ import pytest
 from sglang_hicache_ext.tuning.cost import CostBreakdown
 from sglang_hicache_ext.tuning.pareto.adaptive import AdaptiveSettings, adaptive_search
 from sglang_hicache_ext.tuning.pareto.cli import main
-from sglang_hicache_ext.tuning.pareto.evaluator import Evaluation, PointEvaluator
+from sglang_hicache_ext.tuning.pareto.evaluator import Evaluation, PointEvaluator, objective_matrix
 from sglang_hicache_ext.tuning.pareto.front import pareto_mask
+from sglang_hicache_ext.tuning.pareto.frontier_file import read_frontier, replot_frontier
 from sglang_hicache_ext.tuning.pareto.grid import grid_search
 from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point
 from sglang_hicache_ext.tuning.pareto.select import Constraints, select, sglang_flags
@@ -214,6 +215,23 @@ def test_cli_writes_frontier_and_prints_flags(
     err = capsys.readouterr().err.strip()
     assert err.startswith("infeasible: no non-dominated configuration meets P99 TTFT <= 0.001 ms")
     assert len(err.splitlines()) == 1
+
+
+def test_frontier_file_reads_back_what_the_cli_wrote(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    _synthetic_trace(trace)
+    assert _cli(trace, tmp_path / "out") == 0
+    report = json.loads((tmp_path / "out" / "frontier.json").read_text())
+    saved = read_frontier(tmp_path / "out")
+    assert saved.meta["instances"] == 1 and saved.meta["search"] == "adaptive"
+    assert [e.result.to_json() for e in saved.evaluated] == [
+        entry["result"] for entry in report["evaluated"]
+    ]
+    matrix = objective_matrix(saved.evaluated)
+    kept = [e for e, keep in zip(saved.evaluated, pareto_mask(matrix), strict=True) if keep]
+    assert saved.frontier == kept
+    png = replot_frontier(tmp_path / "out", tmp_path / "again.png")
+    assert png.stat().st_size > 1000
 
 
 def test_cli_reports_bad_trace_and_disk_type(

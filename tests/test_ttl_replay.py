@@ -107,6 +107,15 @@ def test_group_policy_uses_the_budget_and_beats_fixed_on_planted_trace() -> None
     assert group.periods[0].planned.table.ttl("subtree:h") >= 40.0
 
 
+def test_replay_reports_progress_without_changing_the_result() -> None:
+    trace = requests(*[(float(t), f"S c{t % 7}") for t in range(3000)])
+    config = ReplayConfig(bytes_per_block=1, disk_budget_bytes=3.0, online=True, period_s=500.0)
+    reported: list[int] = []
+    with_progress = replay(trace, FixedTtlPlanner(3600.0), config, progress=reported.append)
+    assert sum(reported) == len(trace) and max(reported) <= 1024
+    assert with_progress == replay(trace, FixedTtlPlanner(3600.0), config)
+
+
 def test_trace_loader_skips_malformed_lines(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     path.write_text(

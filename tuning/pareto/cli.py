@@ -4,26 +4,17 @@ frontier (JSON + PNG) and print the configurations meeting the constraints."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from sglang_hicache_ext.tuning.cost import DISK_TYPES
 from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search
-from sglang_hicache_ext.tuning.pareto.evaluator import (
-    Evaluation,
-    Evaluator,
-    Workload,
-    objective_matrix,
-)
-from sglang_hicache_ext.tuning.pareto.front import pareto_mask
+from sglang_hicache_ext.tuning.pareto.evaluator import Evaluator, Workload
+from sglang_hicache_ext.tuning.pareto.frontier_file import write_frontier
 from sglang_hicache_ext.tuning.pareto.grid import grid_search
-from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point
 from sglang_hicache_ext.tuning.pareto.plan import DEFAULT_DISKS, adaptive_settings, grid_space
-from sglang_hicache_ext.tuning.pareto.plot import plot_frontier
 from sglang_hicache_ext.tuning.pareto.select import Constraints, closest_miss, describe, select
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.trace import TraceError
@@ -91,9 +82,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             evaluated = adaptive_search(adaptive_settings(space), evaluator)
     elapsed = time.perf_counter() - started
-    title = f"{args.trace.name}, {args.instances} instance(s), {args.search}: {len(evaluated)} sims"
     meta = {"trace": str(args.trace), "instances": args.instances, "search": args.search}
-    frontier = write_frontier(evaluated, args.out, title, {**meta, "seconds": round(elapsed, 1)})
+    frontier = write_frontier(evaluated, args.out, {**meta, "seconds": round(elapsed, 1)})
     print(
         f"{args.search} search: {len(evaluated)} simulations in {elapsed:.0f} s, "
         f"{len(frontier)} non-dominated; wrote {args.out / 'frontier.json'} and frontier.png"
@@ -110,29 +100,3 @@ def _run(args: argparse.Namespace) -> int:
     for evaluation in chosen:
         print(describe(evaluation, profile))
     return 0
-
-
-def write_frontier(
-    evaluated: Sequence[Evaluation], out: Path, title: str, meta: dict[str, Any]
-) -> list[Evaluation]:
-    """Write `frontier.json` and `frontier.png` under `out`; returns the non-dominated ones."""
-    matrix = objective_matrix(evaluated)
-    frontier = [e for e, keep in zip(evaluated, pareto_mask(matrix), strict=True) if keep]
-    reference = reference_point(matrix)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {
-        **meta,
-        "simulations": len(evaluated),
-        "objectives": ["mean_ttft_s", "-throughput_tok_s", "cost_usd"],
-        "reference_point": reference.tolist(),
-        "hypervolume": hypervolume(objective_matrix(frontier), reference),
-        "frontier": [_entry(e) for e in frontier],
-        "evaluated": [_entry(e) for e in evaluated],
-    }
-    (out / "frontier.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot_frontier(evaluated, frontier, out / "frontier.png", title)
-    return frontier
-
-
-def _entry(evaluation: Evaluation) -> dict[str, Any]:
-    return {"config": evaluation.point._asdict(), "result": evaluation.result.to_json()}

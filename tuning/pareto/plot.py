@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers and CI
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 from sglang_hicache_ext.tuning.pareto.evaluator import Evaluation  # noqa: E402
 
 _MARKERS = {"none": "o", "essd_pl0": "v", "essd_pl1": "s", "essd_pl2": "D", "essd_pl3": "^"}
@@ -18,7 +19,7 @@ _MARKERS = {"none": "o", "essd_pl0": "v", "essd_pl1": "s", "essd_pl2": "D", "ess
 def plot_frontier(
     evaluated: Sequence[Evaluation], frontier: Sequence[Evaluation], path: Path, title: str
 ) -> None:
-    figure, axes = plt.subplots(figsize=(6.4, 4.2), dpi=80)
+    figure, axes = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     axes.scatter(
         [e.result.cost.total_usd for e in evaluated],
         [e.result.mean_ttft_s for e in evaluated],
@@ -46,6 +47,9 @@ def plot_frontier(
     axes.set_xlabel("cost of serving the trace (USD, GPU-hours include draining)")
     axes.set_ylabel("mean TTFT (s)")
     axes.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 4000, not 4 x 10^3
+    axes.yaxis.set_major_formatter(plain)
+    axes.yaxis.set_minor_formatter(plain)
     axes.set_title(title, fontsize=10)
     axes.legend(fontsize=7)
     figure.tight_layout()

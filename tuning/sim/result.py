@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -40,3 +41,17 @@ class SimResult:
         values["hit_ratio"] = {**self.hit_ratio._asdict(), "total": self.hit_ratio.total}
         values["cost"]["total_usd"] = self.cost.total_usd
         return values
+
+    @classmethod
+    def from_json(cls, values: Mapping[str, Any]) -> SimResult:
+        """The inverse of `to_json` (derived totals are dropped and recomputed)."""
+        hits, cost = values["hit_ratio"], values["cost"]
+        return cls(
+            **{
+                **values,
+                "hit_ratio": TierHits(hits["gpu"], hits["dram"], hits["disk"]),
+                "cost": CostBreakdown(
+                    cost["gpu_usd"], cost["dram_usd"], cost["disk_usd"], cost["usd_per_hour"]
+                ),
+            }
+        )

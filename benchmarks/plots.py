@@ -1,0 +1,205 @@
+"""PNG figures of the committed benchmark results (reads JSON only: no server, no model, no trace).
+
+- `fusion_quality_vs_ttft.png` (docs/fusion-sglang.md), from fusion_quality.json: answer quality
+  kept against the TTFT paid, per selector and recompute ratio, both axes from that one run;
+- `ttl_hit_ratio_vs_budget.png` (docs/ttl.md), from ttl_replay.json and ttl_budget_sweep.json
+  (the same benchmark at more budgets): disk hit ratio against disk bytes per TTL policy;
+- `pareto_<N>/frontier.png` (docs/simulator.md), from each `pareto_<N>/frontier.json`: drawn
+  again by the Pareto search's own plot.
+
+    python benchmarks/plots.py [--results benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from sglang_hicache_ext.tuning.pareto.frontier_file import JSON_NAME, replot_frontier  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DPI = 110
+GB = 1e9
+
+# Selectors of fusion_quality.json drawn as a line over their recompute ratios.
+SELECTORS = ("a3", "cacheblend", "epic", "freq", "random")
+COLOURS = {
+    "a3": "tab:blue",
+    "cacheblend": "tab:orange",
+    "epic": "tab:green",
+    "freq": "tab:purple",
+    "random": "tab:grey",
+}
+# TTL policies of ttl_replay.json rows: key, label, colour, marker.
+TTL_POLICIES = (
+    ("online_fixed", "online fixed TTL", "tab:blue", "o"),
+    ("online_group", "online group TTLs", "tab:orange", "s"),
+    ("hindsight_fixed", "best fixed TTL in hindsight", "tab:green", "^"),
+)
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _quality_axes(
+    axes: Axes, summary: dict[str, dict[str, float]], quality: str, scale: float
+) -> None:
+    """One panel: `summary[mode][quality] / scale` against the median TTFT ratio."""
+
+    def point(mode: str) -> tuple[float, float]:
+        return summary[mode]["ttft_ratio_median"], summary[mode][quality] / scale
+
+    for selector in SELECTORS:
+        modes = sorted(
+            (m for m in summary if m.startswith(f"{selector}@")),
+            key=lambda m: float(m.split("@")[1]),
+        )
+        xs, ys = zip(*(point(m) for m in modes), strict=True)
+        axes.plot(xs, ys, "-o", color=COLOURS[selector], label=selector, markersize=5)
+    for mode, marker in zip((m for m in summary if "+sink" in m), "DP", strict=False):
+        sinks, ratio = mode.split("+sink")[1].split("@")
+        axes.plot(
+            *point(mode),
+            marker,
+            color=COLOURS["a3"],
+            markeredgecolor="black",
+            markersize=7,
+            linestyle="none",
+            label=f"a3, {sinks} sink tokens, r={ratio}",
+        )
+    axes.plot(*point("reuse"), "kX", markersize=8, label="reuse (r=0)")
+    axes.plot(*point("normal"), "k*", markersize=11, label="full prefill")
+    axes.set_xlabel("TTFT, fused ÷ full prefill (median over questions)")
+    axes.grid(alpha=0.3)
+
+
+def plot_fusion_quality(results: Path, out: Path) -> Path:
+    data = _load(results / "fusion_quality.json")
+    summary = data["summary"]
+    figure, (similarity, f1) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=DPI)
+    _quality_axes(similarity, summary, "embedding_similarity", 1.0)
+    similarity.set_ylabel("answer similarity to the full prefill's (MiniLM)")
+    similarity.set_title(
+        "similarity of the 16-token answer; lines: r = 0.05, 0.15, 0.3 left to right", fontsize=9
+    )
+    similarity.legend(fontsize=7, loc="lower right")
+    normal_f1 = summary["normal"]["f1_gold"]
+    _quality_axes(f1, summary, "f1_gold", normal_f1)
+    f1.axhline(1.0, color="black", linewidth=0.6, linestyle=":")
+    f1.set_ylabel("F1 vs gold ÷ full prefill's F1")
+    f1.set_title(
+        f"F1 vs gold, relative (the full prefill's F1 is only {normal_f1:.3f})", fontsize=9
+    )
+    figure.suptitle(
+        f"Chunk fusion through the CPU server: {data['questions']} HotpotQA questions, "
+        f"{data['documents_per_prompt']} shuffled documents, {data['model']} "
+        "(benchmarks/results/fusion_quality.json)",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+    return out
+
+
+def _ttl_rows(results: Path) -> list[dict[str, Any]]:
+    """Rows of ttl_replay.json and, for budgets it lacks, of ttl_budget_sweep.json."""
+    rows = {row["budget_gb"]: row for row in _load(results / "ttl_replay.json")["rows"]}
+    sweep = results / "ttl_budget_sweep.json"
+    if sweep.exists():
+        for row in _load(sweep)["rows"]:
+            rows.setdefault(row["budget_gb"], row)
+    return [rows[budget] for budget in sorted(rows)]
+
+
+def _log_x_in_plain_numbers(axes: Axes) -> None:
+    """Log x axis ticked at 1, 2 and 5 times powers of ten, written 200 rather than 2 x 10^2."""
+    axes.set_xscale("log")
+    axes.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axes.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _disk_hits(row: dict[str, Any], policy: str) -> float:
+    return row[policy]["hit_ratio"]["disk"]
+
+
+def plot_ttl_budgets(results: Path, out: Path) -> Path:
+    rows = _ttl_rows(results)
+    figure, (hits, gain) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=DPI)
+    for key, label, colour, marker in TTL_POLICIES:
+        hits.plot(
+            [row[key]["avg_disk_bytes"] / GB for row in rows],
+            [_disk_hits(row, key) for row in rows],
+            marker=marker,
+            color=colour,
+            label=label,
+            markersize=5,
+        )
+    _log_x_in_plain_numbers(hits)
+    hits.set_xlabel("average bytes on disk over the hour (GB, measured; log scale)")
+    hits.set_ylabel("disk hit ratio (of 288,500 block accesses)")
+    hits.set_title("hit ratio per policy at (nearly) equal disk bytes", fontsize=10)
+    hits.legend(fontsize=8)
+    hits.grid(alpha=0.3, which="both")
+    budgets = [row["budget_gb"] for row in rows]
+    for other, label, colour in (
+        ("online_fixed", "over online fixed TTL", "tab:blue"),
+        ("hindsight_fixed", "over best fixed TTL in hindsight", "tab:green"),
+    ):
+        gain.plot(
+            budgets,
+            [100 * (_disk_hits(row, "online_group") / _disk_hits(row, other) - 1) for row in rows],
+            "-o",
+            color=colour,
+            label=label,
+            markersize=5,
+        )
+    gain.axhline(0.0, color="black", linewidth=0.6)
+    _log_x_in_plain_numbers(gain)
+    gain.set_xlabel("nominal disk budget (GB; log scale)")
+    gain.set_ylabel("more disk hits with group TTLs (%)")
+    gain.set_title("gain of online group TTLs", fontsize=10)
+    gain.legend(fontsize=8)
+    gain.grid(alpha=0.3, which="both")
+    figure.suptitle(
+        "TTL replay of the Mooncake conversation trace (12,031 requests, 1 h, 64 MiB blocks): "
+        "benchmarks/results/ttl_replay.json + ttl_budget_sweep.json",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    results: Path = args.results
+    written = [
+        plot_fusion_quality(results, results / "fusion_quality_vs_ttft.png"),
+        plot_ttl_budgets(results, results / "ttl_hit_ratio_vs_budget.png"),
+        *(
+            replot_frontier(json_file.parent)
+            for json_file in sorted(results.glob(f"*/{JSON_NAME}"))
+        ),
+    ]
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
