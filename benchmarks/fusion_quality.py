@@ -8,6 +8,8 @@ similarity; against the gold answer: HotpotQA F1; TTFT as a ratio to the normal 
 same run (median over questions). `gap_closed` = (sim - sim_reuse) / (1 - sim_reuse), where the
 normal prefill's similarity to itself is 1. Results: benchmarks/results/fusion_quality.json
 (rewritten after every question, so an interrupted run keeps what it measured).
+
+    python -m benchmarks.fusion_quality [--questions 100] [--resume]
 """
 
 from __future__ import annotations
@@ -17,24 +19,16 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity, f1_score
+from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
+from sglang_hicache_ext.sglang_ext.frontend import register_documents
+from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
+from sglang_hicache_ext.sglang_ext.tools.streaming_client import stream_generate
+from tqdm import tqdm
 
-from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity, f1_score  # noqa: E402
-from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa  # noqa: E402
-from sglang_hicache_ext.sglang_ext.frontend import register_documents  # noqa: E402
-from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
-    ServerConfig,
-    flush_cache,
-    free_port,
-    running_server,
-)
-from sglang_hicache_ext.sglang_ext.tools.streaming_client import stream_generate  # noqa: E402
-
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
+from benchmarks.smollm2_server import MODEL, RESULTS, smollm2_server
 
 SELECTORS = ("a3", "freq", "cacheblend", "epic", "random")
 RATIOS = (0.05, 0.15, 0.3)
@@ -129,7 +123,7 @@ def _report(
 ) -> dict:
     report: dict = {
         "benchmark": "fusion_quality",
-        "model": SMOLLM2,
+        "model": MODEL,
         "questions": len(rows),
         "documents_per_prompt": documents,
     }
@@ -143,9 +137,7 @@ def main() -> int:
     parser.add_argument("--questions", type=int, default=100)
     parser.add_argument("--documents", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "benchmarks" / "results" / "fusion_quality.json"
-    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "fusion_quality.json")
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -154,9 +146,7 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    model = prepare(SMOLLM2)
     table = modes()
-    config = ServerConfig(model_path=str(model), port=free_port())
     rows: list[dict] = []
     mismatches = 0
     if args.resume and args.out.exists():
@@ -169,10 +159,9 @@ def main() -> int:
     done = {row["qid"]: row for row in rows}
     normal_ttft_s = 0.0
     report: dict = {}
-    with running_server(
-        config, log_path=Path(tempfile.mkdtemp(prefix="bench-fusion-quality-")) / "server.log"
-    ):
-        for index, example in enumerate(load_hotpotqa(args.questions, seed=2026)):
+    with smollm2_server("fusion-quality") as config:
+        examples = load_hotpotqa(args.questions, seed=2026)
+        for index, example in enumerate(tqdm(examples, desc="questions", disable=None)):
             previous_row = done.get(example.qid)
             missing = [m for m in table if previous_row is None or m not in previous_row]
             if not missing:
@@ -213,10 +202,9 @@ def main() -> int:
             report["normal_answers_not_reproduced_on_resume"] = mismatches
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=2) + "\n")
-            print(
+            tqdm.write(
                 f"[{index + 1}/{args.questions}] {row['prompt_tokens']} tokens"
-                + (f", normal answers not reproduced so far: {mismatches}" if done else ""),
-                flush=True,
+                + (f", normal answers not reproduced so far: {mismatches}" if done else "")
             )
     if report and "summary" not in report:
         report = _report(rows, table, args.documents, summary=True)

@@ -1,7 +1,7 @@
 """The model and server the CPU benchmarks measure: SmolLM2-135M-Instruct behind the plugin.
 
 Run the benchmarks from the repository root as modules (`python -m benchmarks.fusion_speed`), so
-that `benchmarks` and `scripts` import.
+that `benchmarks` imports; prepare the model first (`make models`).
 """
 
 from __future__ import annotations
@@ -12,17 +12,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, SMOLLM2, prepared_model
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
-
-from scripts.prepare_models import SMOLLM2, prepare
 
 MODEL = SMOLLM2
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def smollm2_path() -> Path:
-    """The prepared model folder (prepared on first use)."""
-    return prepare(SMOLLM2)
+    """The prepared model folder; exits with how to prepare it when it is not."""
+    folder = prepared_model(SMOLLM2)
+    if folder is None:
+        raise SystemExit(f"{SMOLLM2} is not prepared; run `{PREPARE_HINT}` (or `make models`)")
+    return folder
 
 
 def smollm2_tokenizer() -> Any:
