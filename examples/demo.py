@@ -11,27 +11,23 @@ prefill, prints TTFT and answers side by side, and stops the server (no process 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import random  # noqa: E402
-
-from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa  # noqa: E402
-from sglang_hicache_ext.sglang_ext.frontend import register_documents  # noqa: E402
-from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
+# `python examples/demo.py` (make demo) puts this folder first on sys.path.
+from rag_pipeline import ask, connect
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, SMOLLM2, prepared_model
+from sglang_hicache_ext.sglang_ext.frontend import register_documents
+from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     ServerStartError,
     flush_cache,
     free_port,
     running_server,
 )
-
-from examples.rag_pipeline import ask, connect  # noqa: E402
-from scripts.prepare_models import SMOLLM2, prepare  # noqa: E402
 
 
 def main() -> int:
@@ -48,7 +44,10 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    model = prepare(SMOLLM2)
+    model = prepared_model(SMOLLM2)
+    if model is None:
+        print(f"demo failed: {SMOLLM2} is not prepared; run `{PREPARE_HINT}`", file=sys.stderr)
+        return 1
     workdir = Path(tempfile.mkdtemp(prefix="sglang-ext-demo-"))
     config = ServerConfig(
         model_path=str(model),
