@@ -13,20 +13,23 @@ Medians are reported; the JSON lands in benchmarks/results/cpu_attention.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache, generate
 from tqdm import tqdm
 
-from benchmarks.smollm2_server import MODEL, RESULTS, smollm2_server, smollm2_tokenizer
+from benchmarks.smollm2_server import (
+    MODEL,
+    server_benchmark_parser,
+    smollm2_server,
+    smollm2_tokenizer,
+)
 
 BACKENDS = ("torch_native", "torch_position")
 
@@ -93,11 +96,10 @@ def measure_backend(backend: str, prompts: list[str], agree: list[str]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = server_benchmark_parser(__doc__, "cpu_attention.json")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=6000)
     parser.add_argument("--agreement-prompts", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_attention.json")
     args = parser.parse_args()
 
     prompts = long_prompts(args.repeats, args.prompt_tokens, smollm2_tokenizer())

@@ -14,12 +14,10 @@ normal prefill's similarity to itself is 1. Results: benchmarks/results/fusion_q
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 import sys
-from pathlib import Path
 
 from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity, f1_score
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
@@ -28,7 +26,7 @@ from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from sglang_hicache_ext.sglang_ext.tools.streaming_client import stream_generate
 from tqdm import tqdm
 
-from benchmarks.smollm2_server import MODEL, RESULTS, smollm2_server
+from benchmarks.smollm2_server import MODEL, server_benchmark_parser, smollm2_server
 
 SELECTORS = ("a3", "freq", "cacheblend", "epic", "random")
 RATIOS = (0.05, 0.15, 0.3)
@@ -133,11 +131,10 @@ def _report(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = server_benchmark_parser(__doc__, "fusion_quality.json")
     parser.add_argument("--questions", type=int, default=100)
     parser.add_argument("--documents", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=RESULTS / "fusion_quality.json")
     parser.add_argument(
         "--resume",
         action="store_true",

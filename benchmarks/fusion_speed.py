@@ -11,13 +11,11 @@ JSON in benchmarks/results/fusion_speed.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import requests
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
@@ -25,7 +23,12 @@ from sglang_hicache_ext.sglang_ext.frontend import register_documents
 from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from tqdm import tqdm
 
-from benchmarks.smollm2_server import MODEL, RESULTS, smollm2_server, smollm2_tokenizer
+from benchmarks.smollm2_server import (
+    MODEL,
+    server_benchmark_parser,
+    smollm2_server,
+    smollm2_tokenizer,
+)
 
 MODES: dict[str, dict[str, object]] = {
     "normal": {},
@@ -68,11 +71,10 @@ def ttft(url: str, prompt: str, custom: dict[str, object]) -> tuple[float, dict]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = server_benchmark_parser(__doc__, "fusion_speed.json")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--min-docs", type=int, default=6)
     parser.add_argument("--min-tokens", type=int, default=3000)
-    parser.add_argument("--out", type=Path, default=RESULTS / "fusion_speed.json")
     args = parser.parse_args()
 
     prompts = build_prompts(args.repeats, args.min_docs, args.min_tokens, smollm2_tokenizer())

@@ -23,6 +23,7 @@ matplotlib.use("Agg")  # files only
 
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 from sglang_hicache_ext.tuning.pareto.frontier_file import JSON_NAME, replot_frontier  # noqa: E402
 
@@ -100,21 +101,17 @@ def plot_fusion_quality(results: Path, out: Path) -> Path:
     f1.set_title(
         f"F1 vs gold, relative (the full prefill's F1 is only {normal_f1:.3f})", fontsize=9
     )
-    figure.suptitle(
+    title = (
         f"Chunk fusion through the CPU server: {data['questions']} HotpotQA questions, "
         f"{data['documents_per_prompt']} shuffled documents, {data['model']} "
-        "(benchmarks/results/fusion_quality.json)",
-        fontsize=10,
+        "(benchmarks/results/fusion_quality.json)"
     )
-    figure.tight_layout()
-    figure.savefig(out)
-    plt.close(figure)
-    return out
+    return _save(figure, title, out)
 
 
-def _ttl_rows(results: Path) -> list[dict[str, Any]]:
+def _ttl_rows(replayed: dict[str, Any], results: Path) -> list[dict[str, Any]]:
     """Rows of ttl_replay.json and, for budgets it lacks, of ttl_budget_sweep.json."""
-    rows = {row["budget_gb"]: row for row in _load(results / "ttl_replay.json")["rows"]}
+    rows = {row["budget_gb"]: row for row in replayed["rows"]}
     sweep = results / "ttl_budget_sweep.json"
     if sweep.exists():
         for row in _load(sweep)["rows"]:
@@ -122,12 +119,18 @@ def _ttl_rows(results: Path) -> list[dict[str, Any]]:
     return [rows[budget] for budget in sorted(rows)]
 
 
-def _log_x_in_plain_numbers(axes: Axes) -> None:
-    """Log x axis ticked at 1, 2 and 5 times powers of ten, written 200 rather than 2 x 10^2."""
+def _finish_log_x_axes(axes: Axes, xlabel: str, ylabel: str, title: str) -> None:
+    """Labels, legend and grid; log x ticked at 1, 2 and 5 times powers of ten, written 200
+    rather than 2 x 10^2."""
     axes.set_xscale("log")
     axes.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axes.xaxis.set_minor_formatter(NullFormatter())
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title, fontsize=10)
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3, which="both")
 
 
 def _disk_hits(row: dict[str, Any], policy: str) -> float:
@@ -135,7 +138,8 @@ def _disk_hits(row: dict[str, Any], policy: str) -> float:
 
 
 def plot_ttl_budgets(results: Path, out: Path) -> Path:
-    rows = _ttl_rows(results)
+    replayed = _load(results / "ttl_replay.json")
+    rows = _ttl_rows(replayed, results)
     figure, (hits, gain) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=DPI)
     for key, label, colour, marker in TTL_POLICIES:
         hits.plot(
@@ -146,12 +150,12 @@ def plot_ttl_budgets(results: Path, out: Path) -> Path:
             label=label,
             markersize=5,
         )
-    _log_x_in_plain_numbers(hits)
-    hits.set_xlabel("average bytes on disk over the hour (GB, measured; log scale)")
-    hits.set_ylabel("disk hit ratio (of 288,500 block accesses)")
-    hits.set_title("hit ratio per policy at (nearly) equal disk bytes", fontsize=10)
-    hits.legend(fontsize=8)
-    hits.grid(alpha=0.3, which="both")
+    _finish_log_x_axes(
+        hits,
+        "average bytes on disk over the hour (GB, measured; log scale)",
+        f"disk hit ratio (of {replayed['block_accesses']:,} block accesses)",
+        "hit ratio per policy at (nearly) equal disk bytes",
+    )
     budgets = [row["budget_gb"] for row in rows]
     for other, label, colour in (
         ("online_fixed", "over online fixed TTL", "tab:blue"),
@@ -166,17 +170,22 @@ def plot_ttl_budgets(results: Path, out: Path) -> Path:
             markersize=5,
         )
     gain.axhline(0.0, color="black", linewidth=0.6)
-    _log_x_in_plain_numbers(gain)
-    gain.set_xlabel("nominal disk budget (GB; log scale)")
-    gain.set_ylabel("more disk hits with group TTLs (%)")
-    gain.set_title("gain of online group TTLs", fontsize=10)
-    gain.legend(fontsize=8)
-    gain.grid(alpha=0.3, which="both")
-    figure.suptitle(
-        "TTL replay of the Mooncake conversation trace (12,031 requests, 1 h, 64 MiB blocks): "
-        "benchmarks/results/ttl_replay.json + ttl_budget_sweep.json",
-        fontsize=10,
+    _finish_log_x_axes(
+        gain,
+        "nominal disk budget (GB; log scale)",
+        "more disk hits with group TTLs (%)",
+        "gain of online group TTLs",
     )
+    title = (
+        f"TTL replay of {Path(replayed['trace']).name} ({replayed['requests']:,} requests, "
+        f"{replayed['bytes_per_block'] / 2**20:.0f} MiB blocks): "
+        "benchmarks/results/ttl_replay.json + ttl_budget_sweep.json"
+    )
+    return _save(figure, title, out)
+
+
+def _save(figure: Figure, title: str, out: Path) -> Path:
+    figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(out)
     plt.close(figure)

@@ -6,6 +6,7 @@ that `benchmarks` imports; prepare the model first (`make models`).
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,3 +42,11 @@ def smollm2_server(label: str, **settings: Any) -> Iterator[ServerConfig]:
     log_path = Path(tempfile.mkdtemp(prefix=f"bench-{label}-")) / "server.log"
     with running_server(config, log_path=log_path):
         yield config
+
+
+def server_benchmark_parser(doc: str, result_name: str) -> argparse.ArgumentParser:
+    """Arguments of a server benchmark: described by `doc`'s first line, `--out` defaulting to
+    `benchmarks/results/<result_name>`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS / result_name)
+    return parser
