@@ -22,29 +22,29 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import heapq
-import itertools
 import logging
 import math
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLock
+from sglang_hicache_ext.tiers.disk_records import (
+    STAT_COUNTERS,
+    DiskStoreStats,
+    IndexEntry,
+    PageInfo,
+)
+from sglang_hicache_ext.tiers.expiry_queue import ExpiryQueue, QueuedExpiry
+from sglang_hicache_ext.tiers.page_directory import PageDirectory, check_key
 from sglang_hicache_ext.tiers.page_file import (
-    PAGE_SUFFIX,
-    TEMP_SUFFIX,
     CorruptPageError,
-    PageHeader,
     commit,
     encode_header,
     fsync_directory,
-    read_header,
     read_page,
     write_temp,
 )
@@ -53,62 +53,6 @@ from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy
 logger = logging.getLogger(__name__)
 
 STORE_LOCK_NAME = "store.lock"  # in the root, beside `pages/`
-
-
-@dataclass(frozen=True)
-class PageInfo:
-    key: str
-    group: str
-    size_bytes: int  # file bytes, header included
-    write_time: float
-    last_access: float
-    expiry: float
-
-
-@dataclass(frozen=True)
-class DiskStoreStats:
-    entries: int
-    used_bytes: int
-    reserved_bytes: int
-    capacity_bytes: int
-    hits: int
-    misses: int
-    expired: int
-    evicted: int
-    rejected_writes: int  # no room even after eviction (e.g. everything pinned) or page too big
-    write_errors: int  # OS errors while writing (full disk, I/O error); the put returned False
-    corrupt_pages: int  # failed a checksum / length / key check, removed, never served
-    removed_temp_files: int  # partial writes found on open
-    refreshes: int  # TTL refreshes without a read (`touch`)
-    io_errors: int  # other OS errors: listing, stat, delete, read (the page is dropped)
-
-
-class _Entry:
-    """Mutable index record; only touched under the store lock."""
-
-    __slots__ = (
-        "doomed",
-        "expiry",
-        "group",
-        "key",
-        "last_access",
-        "path",
-        "readers",
-        "size",
-        "write_time",
-    )
-
-    def __init__(self, key: str, group: str, size: int, write_time: float, path: Path) -> None:
-        self.key, self.group, self.size, self.path = key, group, size, path
-        self.write_time = self.last_access = write_time
-        self.expiry = math.inf
-        self.readers = 0
-        self.doomed = False  # expired or evicted while pinned: delete when the last reader leaves
-
-    def info(self) -> PageInfo:
-        return PageInfo(
-            self.key, self.group, self.size, self.write_time, self.last_access, self.expiry
-        )
 
 
 class DiskStore:
@@ -128,26 +72,12 @@ class DiskStore:
         self.policy = policy
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
-        self._expiry_heap: list[tuple[float, int, _Entry]] = []  # lazy: stale items skipped
-        self._sequence = itertools.count()
+        self._entries: dict[str, IndexEntry] = {}
+        self._expiry = ExpiryQueue(self._entries)
         self._used = 0
         self._reserved = 0
-        self._counts = dict.fromkeys(
-            (
-                "hits",
-                "misses",
-                "expired",
-                "evicted",
-                "rejected_writes",
-                "write_errors",
-                "corrupt_pages",
-                "removed_temp_files",
-                "refreshes",
-                "io_errors",
-            ),
-            0,
-        )
+        self._counts = dict.fromkeys(STAT_COUNTERS, 0)
+        self._pages = PageDirectory(self.root / "pages", self._counts)
         self._closed = False
         self.root.mkdir(parents=True, exist_ok=True)
         self._dir_lock = DirectoryLock(self.root, STORE_LOCK_NAME)  # raises if held elsewhere
@@ -175,7 +105,7 @@ class DiskStore:
         always correct for a cache. Invalid arguments (empty key, bad TTL) raise `ValueError`
         before anything is touched: they are the caller's bugs, not storage faults.
         """
-        _check_key(key)
+        check_key(key)
         if ttl_s is not None and not (math.isfinite(ttl_s) and ttl_s >= 0):
             raise ValueError(f"ttl_s must be finite and >= 0, got {ttl_s!r}")
         payload = bytes(value)
@@ -209,7 +139,7 @@ class DiskStore:
             self._reserved -= size
             if self._closed:  # the directory may have a new owner: do not publish into it
                 self._counts["rejected_writes"] += 1
-                self._unlink(temp)
+                self._pages.unlink(temp)
                 logger.warning(
                     "disk store %s closed during a write: page %s dropped", self.root, key
                 )
@@ -223,7 +153,7 @@ class DiskStore:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._used -= old.size  # the name now points at the new file
-            entry = _Entry(key, group, size, now, path)
+            entry = IndexEntry(key, group, size, now, path)
             self._entries[key] = entry
             self._used += size
             self._set_expiry(entry, now, expiry)
@@ -242,7 +172,7 @@ class DiskStore:
 
     def get(self, key: str) -> bytes | None:
         """The stored bytes (and refresh the page's TTL), or None when absent/expired/corrupt."""
-        _check_key(key)
+        check_key(key)
         now = self._clock()
         with self._lock:
             entry = self._entries.get(key)
@@ -342,13 +272,10 @@ class DiskStore:
         now = self._clock()
         removed = 0
         with self._lock:
-            while self._expiry_heap and self._expiry_heap[0][0] < now:
-                expiry, _, entry = heapq.heappop(self._expiry_heap)
-                if not self._current(entry, expiry):
-                    continue
+            while (item := self._expiry.pop(before=now)) is not None:
                 self._counts["expired"] += 1
-                entry.doomed = True
-                removed += self._release_if_doomed(entry)
+                item.entry.doomed = True
+                removed += self._release_if_doomed(item.entry)
         return removed
 
     def stats(self) -> DiskStoreStats:
@@ -363,13 +290,8 @@ class DiskStore:
 
     def disk_usage_bytes(self) -> int:
         """Bytes of all files under the store, temp files included (a consistent snapshot)."""
-        total = 0
         with self._lock:
-            for path in self._files_under(self._pages_dir()):
-                # A failed write removes its temp file without the lock: tolerate that race.
-                with contextlib.suppress(FileNotFoundError):
-                    total += path.stat().st_size
-        return total
+            return self._pages.usage_bytes()
 
     @property
     def closed(self) -> bool:
@@ -391,17 +313,13 @@ class DiskStore:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _read_file(self, entry: _Entry) -> bytes:
+    def _read_file(self, entry: IndexEntry) -> bytes:
         return read_page(entry.path, entry.key)[1]
 
-    def _pages_dir(self) -> Path:
-        return self.root / "pages"
-
     def _path_of(self, key: str) -> Path:
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        return self._pages_dir() / digest[:2] / (digest + PAGE_SUFFIX)
+        return self._pages.path_of(key)
 
-    def _live(self, entry: _Entry, now: float) -> bool:
+    def _live(self, entry: IndexEntry, now: float) -> bool:
         if self.policy.is_live(entry.expiry, now) and not entry.doomed:
             return True
         if not entry.doomed:
@@ -410,93 +328,50 @@ class DiskStore:
         self._release_if_doomed(entry)
         return False
 
-    def _set_expiry(self, entry: _Entry, now: float, expiry: float | None = None) -> None:
+    def _set_expiry(self, entry: IndexEntry, now: float, expiry: float | None = None) -> None:
         entry.expiry = self.policy.expiry_on_access(entry.group, now) if expiry is None else expiry
-        heapq.heappush(self._expiry_heap, (entry.expiry, next(self._sequence), entry))
-        if len(self._expiry_heap) > 4 * len(self._entries) + 64:
-            self._expiry_heap = [
-                (e.expiry, next(self._sequence), e) for e in self._entries.values()
-            ]
-            heapq.heapify(self._expiry_heap)
-
-    def _current(self, entry: _Entry, expiry: float) -> bool:
-        return self._entries.get(entry.key) is entry and entry.expiry == expiry
+        self._expiry.push(entry)
 
     def _make_room(self, size: int) -> bool:
         """Evict soonest-expiring unpinned pages until `size` more bytes fit (lock held)."""
         if size > self.capacity_bytes:
             return False
-        pinned: list[tuple[float, int, _Entry]] = []
-        while self._used + self._reserved + size > self.capacity_bytes and self._expiry_heap:
-            item = heapq.heappop(self._expiry_heap)
-            entry = item[2]
-            if not self._current(entry, item[0]):
-                continue
-            if entry.readers:
+        pinned: list[QueuedExpiry] = []
+        while self._used + self._reserved + size > self.capacity_bytes:
+            item = self._expiry.pop()
+            if item is None:
+                break
+            if item.entry.readers:
                 pinned.append(item)
                 continue
             self._counts["evicted"] += 1
-            entry.doomed = True
-            self._release_if_doomed(entry)
-        for item in pinned:
-            heapq.heappush(self._expiry_heap, item)
+            item.entry.doomed = True
+            self._release_if_doomed(item.entry)
+        self._expiry.put_back(pinned)
         return self._used + self._reserved + size <= self.capacity_bytes
 
-    def _release_if_doomed(self, entry: _Entry) -> int:
+    def _release_if_doomed(self, entry: IndexEntry) -> int:
         """Delete a doomed entry's file once nobody reads it (lock held); 1 if deleted."""
         if not entry.doomed or entry.readers or self._entries.get(entry.key) is not entry:
             return 0
         del self._entries[entry.key]
         self._used -= entry.size
         if not self._closed:  # after close the folder may belong to another store
-            self._unlink(entry.path)
+            self._pages.unlink(entry.path)
         return 1
 
-    def _unlink(self, path: Path) -> None:
-        """Delete a file; an OS error is logged and counted (the file stays, unindexed)."""
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as error:
-            self._counts["io_errors"] += 1
-            logger.error("disk store: could not delete %s: %s", path, error)
-
-    def _files_under(self, directory: Path) -> list[Path]:
-        """Every file below `directory`, sorted; folders that vanish or cannot be listed are
-        logged and counted, not raised (rglob would raise for a folder removed mid-walk)."""
-
-        def unlisted(error: OSError) -> None:
-            self._counts["io_errors"] += 1
-            logger.error("disk store: cannot list %s: %s", error.filename, error)
-
-        return sorted(
-            Path(folder) / name
-            for folder, _, names in os.walk(directory, onerror=unlisted)
-            for name in names
-        )
-
     def _rebuild_index(self) -> None:
-        """Index the files of the folder (we hold its lock, so every temp file is stray).
-        Per-file OS errors are counted and the file skipped: one bad file never stops a start."""
-        pages_dir = self._pages_dir()
+        """Index the page files of the folder (see `PageDirectory.found_pages`); one bad file
+        never stops a start."""
+        pages_dir = self._pages.path
         pages_dir.mkdir(exist_ok=True)
         now = self._clock()
-        for path in self._files_under(pages_dir):
-            if path.name.endswith(TEMP_SUFFIX):
-                self._counts["removed_temp_files"] += 1
-                logger.warning("disk store: removing partial write %s", path)
-                self._unlink(path)
-                continue
-            header = self._checked_header(path)
-            if header is None:
-                continue
-            try:
-                mtime = path.stat().st_mtime
-            except OSError as error:
-                self._counts["io_errors"] += 1
-                logger.error("disk store: skipping %s: %s", path, error)
-                continue
-            entry = _Entry(header.key, header.group, header.file_len, header.write_time, path)
-            entry.last_access = max(header.write_time, mtime)
+        for found in self._pages.found_pages():
+            header = found.header
+            entry = IndexEntry(
+                header.key, header.group, header.file_len, header.write_time, found.path
+            )
+            entry.last_access = found.last_access
             self._entries[header.key] = entry
             self._used += entry.size
             self._set_expiry(entry, entry.last_access)
@@ -511,20 +386,3 @@ class DiskStore:
             self._counts["io_errors"] += 1
             logger.error("disk store: syncing %s failed: %s", pages_dir, error)
         logger.info("disk store %s: %d pages, %d bytes", self.root, len(self._entries), self._used)
-
-    def _checked_header(self, path: Path) -> PageHeader | None:
-        try:
-            header = read_header(path)
-            if self._path_of(header.key) != path:
-                raise CorruptPageError(f"{path}: file name does not match key {header.key!r}")
-        except (CorruptPageError, OSError) as error:
-            self._counts["io_errors" if isinstance(error, OSError) else "corrupt_pages"] += 1
-            logger.error("disk store: removing unreadable page file %s: %s", path, error)
-            self._unlink(path)
-            return None
-        return header
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"page key must be a non-empty string, got {key!r}")

@@ -30,13 +30,15 @@ class CorruptPageError(Exception):
 
 
 class PageHeader(NamedTuple):
+    """What a page file's header says (checked by its header CRC when read)."""
+
     key: str
-    group: str
+    group: str  # the page's group when it was written
     payload_len: int
     write_time: float
-    expiry: float
-    payload_crc: int
-    header_len: int
+    expiry: float  # as computed at write time; an opening store recomputes it
+    payload_crc: int  # CRC32 of the payload, checked on every read
+    header_len: int  # bytes before the payload: fixed part, key, group, header CRC
 
     @property
     def file_len(self) -> int:
