@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sglang_hicache_ext.sglang_ext.disk_tier.options import disk_tier_extra_config  # noqa: E402
 from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     free_port,
@@ -70,5 +73,46 @@ def hicache_server(
         # SGLang's Prometheus /metrics on, for tests/test_server_metrics.py.
         extra_args=("--hicache-ratio", "4", "--enable-metrics"),
     )
+    with running_server(config, log_path=workdir / "server.log") as running:
+        yield running
+
+
+def disk_tier_config(model_path: Path, disk_dir: Path, **options: object) -> ServerConfig:
+    """SmolLM2 with our disk tier: 2 GB, group TTLs over 2 groups, plans triggered by the tests."""
+    extra = disk_tier_extra_config(
+        disk_dir,
+        **{
+            "capacity_bytes": 2e9,
+            "ttl_policy": "group",
+            "ttl_groups": 2,
+            "ttl_period_s": 3600,
+            "purge_interval_s": 0.5,
+            **options,
+        },
+    )
+    return ServerConfig(
+        model_path=str(model_path),
+        port=free_port(),
+        max_total_tokens=E2E_DEVICE_TOKENS,
+        hierarchical_cache=True,
+        hicache_storage_backend="dynamic",
+        extra_args=(
+            "--hicache-ratio",
+            "4",
+            "--hicache-storage-backend-extra-config",
+            json.dumps(extra),
+        ),
+    )
+
+
+@pytest.fixture(scope="session")
+def disk_server(
+    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerConfig]:
+    """SmolLM2 with the disk tier and SGLang's Prometheus /metrics, one per session: shared by
+    tests/test_server_disk_tier.py and tests/test_server_metrics.py (a start costs a minute)."""
+    workdir = tmp_path_factory.mktemp("disk_tier")
+    config = disk_tier_config(smollm2_path, workdir / "disk", initial_ttl_s=600)
+    config = dataclasses.replace(config, extra_args=(*config.extra_args, "--enable-metrics"))
     with running_server(config, log_path=workdir / "server.log") as running:
         yield running

@@ -2,68 +2,22 @@
 
 Pages written through our controller carry their group; short TTLs expire on time; an expired
 prefix is recomputed with the same output; a live prefix is served from disk with the same output.
+The server is the session's `disk_server` (tests/conftest.py), shared with test_server_metrics.py.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
-from sglang_hicache_ext.sglang_ext.disk_tier.options import disk_tier_extra_config
-from sglang_hicache_ext.sglang_ext.server.launcher import (
-    ServerConfig,
-    flush_cache,
-    free_port,
-    running_server,
-)
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache
 
-from tests.conftest import E2E_DEVICE_TOKENS, generate
+from tests.conftest import generate
 
 pytestmark = pytest.mark.server
 
 SYSTEM = "You are a careful archivist. Answer from the records below, briefly. " * 6
-
-
-def disk_tier_config(model_path: Path, disk_dir: Path, **options: object) -> ServerConfig:
-    """SmolLM2 with our disk tier: 2 GB, group TTLs over 2 groups, plans triggered by the tests."""
-    extra = disk_tier_extra_config(
-        disk_dir,
-        **{
-            "capacity_bytes": 2e9,
-            "ttl_policy": "group",
-            "ttl_groups": 2,
-            "ttl_period_s": 3600,
-            "purge_interval_s": 0.5,
-            **options,
-        },
-    )
-    return ServerConfig(
-        model_path=str(model_path),
-        port=free_port(),
-        max_total_tokens=E2E_DEVICE_TOKENS,
-        hierarchical_cache=True,
-        hicache_storage_backend="dynamic",
-        extra_args=(
-            "--hicache-ratio",
-            "4",
-            "--hicache-storage-backend-extra-config",
-            json.dumps(extra),
-        ),
-    )
-
-
-@pytest.fixture(scope="module")
-def disk_server(
-    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerConfig]:
-    workdir = tmp_path_factory.mktemp("disk_tier")
-    config = disk_tier_config(smollm2_path, workdir / "disk", initial_ttl_s=600)
-    with running_server(config, log_path=workdir / "server.log") as running:
-        yield running
 
 
 def _prompt(topic: str, sentences: int = 40) -> str:

@@ -1,17 +1,22 @@
 """The extension's series on SGLang's Prometheus `/metrics` of real servers (`--enable-metrics`).
 
-Fusion on the session HiCache server (tests/conftest.py); the scrape is parsed with
-prometheus-client's own parser and compared as deltas around each request, since other tests
-share the server.
+Fusion on the session HiCache server, the disk tier on the session disk-tier server (both in
+tests/conftest.py, shared with other modules). The scrape is parsed with prometheus-client's own
+parser and compared as deltas around the requests.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
+
+from tests.conftest import generate
+from tests.test_server_disk_tier import _prompt, _status
 
 pytestmark = pytest.mark.server
 
@@ -103,3 +108,48 @@ def test_fusion_series_count_a_fused_request_and_a_fallback(hicache_server) -> N
     assert labels == {"0"}, labels
     assert all(dict(key[1]).get("model_name") for key in after)
     print_series("fusion series after the test:", after)
+
+
+def _wait_until_written(url: str, before: Series, timeout_s: float = 30.0) -> Series:
+    """The scrape once page writes to the disk tier started and then stopped for a while."""
+    deadline = time.monotonic() + timeout_s
+    last = -1.0
+    while time.monotonic() < deadline:
+        series = scrape(url)
+        written = moved(before, series, "disk_written_bytes_total")
+        if written > 0 and written == last:
+            return series
+        last = written
+        time.sleep(1.0)
+    raise AssertionError(f"disk writes did not settle in {timeout_s} s ({last} bytes so far)")
+
+
+def test_disk_tier_series_count_pages_written_and_read(disk_server) -> None:
+    url = disk_server.url
+    # The disk tier tests' shared prefix: their plan's shared-prefix group stays shared.
+    prompt = _prompt("weather stations", sentences=24)
+    flush_cache(url)
+    before = scrape(url)
+    first = generate(url, prompt, max_new_tokens=4)
+    written = _wait_until_written(url, before)
+    flush_cache(url)  # drops device and host; the disk tier stays
+    again = generate(url, prompt, max_new_tokens=4)
+    details = again["meta_info"]["cached_tokens_details"]
+    assert details["storage"] > 0 and details["device"] == 0, details
+    assert again["output_ids"] == first["output_ids"]
+    time.sleep(1.5)  # > purge_interval_s: the maintenance thread exported the counts it keeps
+    after = scrape(url)
+
+    status = _status(url)
+    page_bytes = status["ttl"]["bytes_per_page"]
+    hits = moved(written, after, "disk_hits_total")
+    assert hits * 16 >= details["storage"]  # pages of 16 tokens read for the storage hit
+    assert moved(written, after, "disk_read_bytes_total") == hits * page_bytes > 0
+    written_bytes = moved(before, written, "disk_written_bytes_total")
+    assert written_bytes >= page_bytes and written_bytes % page_bytes == 0
+    # Exported by the maintenance thread: the TTL table and the plan count, as the JSON route.
+    assert total(after, "ttl_seconds", group="default") == status["ttl"]["ttls"]["default"]
+    assert total(after, "ttl_replans_total") == status["ttl"]["plans"]
+    hit_groups = {dict(labels)["group"] for name, labels in after if "disk_hits" in name}
+    assert hit_groups and hit_groups <= set(status["ttl"]["page_accesses"]), hit_groups
+    print_series("disk tier series after the test:", after)

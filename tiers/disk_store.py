@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -77,6 +78,7 @@ class DiskStore:
         self._used = 0
         self._reserved = 0
         self._counts = dict.fromkeys(STAT_COUNTERS, 0)
+        self._expired_by_group: Counter[str] = Counter()  # the `expired` count split by group
         self._pages = PageDirectory(self.root / "pages", self._counts)
         self._closed = False
         self.root.mkdir(parents=True, exist_ok=True)
@@ -273,7 +275,7 @@ class DiskStore:
         removed = 0
         with self._lock:
             while (item := self._expiry.pop(before=now)) is not None:
-                self._counts["expired"] += 1
+                self._count_expiry(item.entry)
                 item.entry.doomed = True
                 removed += self._release_if_doomed(item.entry)
         return removed
@@ -287,6 +289,11 @@ class DiskStore:
                 capacity_bytes=self.capacity_bytes,
                 **self._counts,
             )
+
+    def expired_by_group(self) -> dict[str, int]:
+        """Pages expired per group since the store opened (`stats().expired` is their sum)."""
+        with self._lock:
+            return dict(self._expired_by_group)
 
     def disk_usage_bytes(self) -> int:
         """Bytes of all files under the store, temp files included (a consistent snapshot)."""
@@ -319,11 +326,15 @@ class DiskStore:
     def _path_of(self, key: str) -> Path:
         return self._pages.path_of(key)
 
+    def _count_expiry(self, entry: IndexEntry) -> None:
+        self._counts["expired"] += 1
+        self._expired_by_group[entry.group] += 1
+
     def _live(self, entry: IndexEntry, now: float) -> bool:
         if self.policy.is_live(entry.expiry, now) and not entry.doomed:
             return True
         if not entry.doomed:
-            self._counts["expired"] += 1
+            self._count_expiry(entry)
             entry.doomed = True
         self._release_if_doomed(entry)
         return False
@@ -376,7 +387,7 @@ class DiskStore:
             self._used += entry.size
             self._set_expiry(entry, entry.last_access)
             if not self.policy.is_live(entry.expiry, now):
-                self._counts["expired"] += 1
+                self._count_expiry(entry)
                 entry.doomed = True
                 self._release_if_doomed(entry)
         self._make_room(0)  # capacity may have shrunk since the last run

@@ -50,6 +50,7 @@ from sglang_hicache_ext.sglang_ext.disk_tier.fault_guard import (
     zero,
 )
 from sglang_hicache_ext.sglang_ext.disk_tier.history import HISTORY_FILE_NAME, TtlHistoryFile
+from sglang_hicache_ext.sglang_ext.disk_tier.metrics_export import DiskTierMetricsExport
 from sglang_hicache_ext.sglang_ext.disk_tier.options import (
     BACKEND_NAME,
     CLASS_NAME,
@@ -58,6 +59,7 @@ from sglang_hicache_ext.sglang_ext.disk_tier.options import (
     disk_tier_extra_config,
 )
 from sglang_hicache_ext.sglang_ext.disk_tier.write_info import PageWriteInfo, passed_write_info
+from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.disk_store import DiskStore
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl
 
@@ -102,6 +104,7 @@ class GroupTTLDiskStorage(HiCacheStorage):
         self.store = DiskStore(shard_dir, int(self.options.capacity_bytes), self.online.policy)
         self.history.remove_stray_temps()  # only now: we own the folder
         self._closed = False
+        self.metrics_export = DiskTierMetricsExport()
         self._stop = threading.Event()
         self._maintenance = threading.Thread(
             target=self._maintenance_loop, name="hicache-ext-disk-maintenance", daemon=True
@@ -132,13 +135,17 @@ class GroupTTLDiskStorage(HiCacheStorage):
             self._count("writes_without_groups")
             info = PageWriteInfo.of_pages(self.online, keys, extra_info)
         page_size = self.mem_pool_host.page_size
+        metrics = extension_metrics()
         results = []
         for i, key in enumerate(keys):
             try:  # per page: the pages stored before a failure stay reported as stored
                 page = self.mem_pool_host.get_data_page(int(host_indices[i * page_size]), flat=True)
                 payload = page.contiguous().view(torch.uint8).numpy().tobytes()
                 self.online.set_page_bytes(len(payload))
-                results.append(self.store.put(key, payload, info.groups[i], info.ttls_s[i]))
+                stored = self.store.put(key, payload, info.groups[i], info.ttls_s[i])
+                if stored and metrics is not None:
+                    metrics.disk_written(info.groups[i], len(payload))
+                results.append(stored)
             except Exception:
                 self.faults.record("batch_set_v1")
                 results.append(False)
@@ -150,19 +157,23 @@ class GroupTTLDiskStorage(HiCacheStorage):
     ) -> list[bool]:
         page_size = self.mem_pool_host.page_size
         results = [False] * len(keys)
-        hit_groups = []
+        hit_groups, hit_bytes = [], []
         for i, key in enumerate(keys):
             try:
                 loaded = self._read_into(key, int(host_indices[i * page_size]))
             except Exception:
                 self.faults.record("batch_get_v1")
-                loaded = False
+                loaded = 0
             if not loaded:
                 break  # the controller uses the leading run of successes only
             results[i] = True
             page = self.store.info(key)
             hit_groups.append(page.group if page is not None else RESIDUAL_GROUP)
+            hit_bytes.append(loaded)
         self.online.record_disk_hits(hit_groups)
+        if (metrics := extension_metrics()) is not None:
+            for group, nbytes in zip(hit_groups, hit_bytes, strict=True):
+                metrics.disk_read(group, nbytes)
         return results
 
     @never_raises(zero)
@@ -242,9 +253,6 @@ class GroupTTLDiskStorage(HiCacheStorage):
     def status(self, pages: int = 0) -> dict[str, Any]:
         """Disk usage, expiries and hit ratios per tier and group, current TTLs."""
         stats = self.store.stats()
-        with self._lock:
-            counts: dict[str, Any] = dict(self._counts)
-        counts.update(self.history.error_counts(), exceptions=self.faults.counts())
         report: dict[str, Any] = {
             "backend": BACKEND_NAME,
             "root": str(self.store.root),
@@ -252,19 +260,27 @@ class GroupTTLDiskStorage(HiCacheStorage):
             "by_group": self.store.group_usage(),
             "ttl": self.online.status(),
             "ttl_history": self.history.status(self.options.history_save_s),
-            "errors": counts,
+            "errors": self.error_counts(),
         }
         if pages:
             report["pages"] = [p.__dict__ for p in self.store.infos()[:pages]]
         return report
 
+    def error_counts(self) -> dict[str, Any]:
+        """Faults answered as misses, by kind; entry-point exceptions under `exceptions`."""
+        with self._lock:
+            counts: dict[str, Any] = dict(self._counts)
+        counts.update(self.history.error_counts(), exceptions=self.faults.counts())
+        return counts
+
     # -- internals -------------------------------------------------------------------------
 
-    def _read_into(self, key: str, host_index: int) -> bool:
+    def _read_into(self, key: str, host_index: int) -> int:
+        """Bytes loaded into the host pool page (0: not loaded)."""
         payload = self.store.get(key)
         if payload is None:
             self._count("read_failures")
-            return False
+            return 0
         target = self.mem_pool_host.get_dummy_flat_data_page()
         if target.numel() * target.element_size() != len(payload):
             # A page from another model or page size: never load it into the pool.
@@ -277,9 +293,9 @@ class GroupTTLDiskStorage(HiCacheStorage):
                 target.numel() * target.element_size(),
             )
             self.store.delete(key)
-            return False
+            return 0
         self.mem_pool_host.set_from_flat_data_page(host_index, _fill(target, payload))
-        return True
+        return len(payload)
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -295,6 +311,7 @@ class GroupTTLDiskStorage(HiCacheStorage):
                 logger.exception("%s: purging expired pages failed", BACKEND_NAME)
             if self.history.save_due(self.options.history_save_s):
                 self.history.save()
+            self.metrics_export.export(self)
 
 
 # The old name: extra configs written before the rename (and `tuning.pareto.select`'s

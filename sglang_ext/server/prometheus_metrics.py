@@ -175,12 +175,11 @@ class ExtensionMetrics:
     def disk_expired(self, group: str, pages: int = 1) -> None:
         self._disk_expired.labels(**self.labels, group=group).inc(pages)
 
-    def ttl_replanned(self, ttls: Mapping[str, float]) -> None:
-        """One published plan and the TTL of every group it set."""
-        self._replans.labels(**self.labels).inc()
-        self.ttl_set(ttls)
+    def ttl_replans(self, plans: int) -> None:
+        self._replans.labels(**self.labels).inc(plans)
 
-    def ttl_set(self, ttls: Mapping[str, float]) -> None:
+    def ttl_seconds(self, ttls: Mapping[str, float]) -> None:
+        """The current TTL per group (`default`: every group the table does not list)."""
         for group, seconds in ttls.items():
             self._ttl_seconds.labels(**self.labels, group=group).set(seconds)
 
