@@ -33,7 +33,15 @@ from sglang_hicache_ext.evaluation.model_paths import (
     model_dir,
 )
 
-__all__ = ["SMOLLM2", "TINY_LLAMA", "TINY_QWEN2", "cache_dir", "model_dir", "prepare", "tiny_config"]
+__all__ = [
+    "SMOLLM2",
+    "TINY_LLAMA",
+    "TINY_QWEN2",
+    "cache_dir",
+    "model_dir",
+    "prepare",
+    "tiny_config",
+]
 
 
 def _prepare_atomically(name: str, build: Callable[[Path], None]) -> Path:

@@ -1,7 +1,7 @@
 """The fidelity machinery against a real CPU server, on a small slice where hits are exact.
 
-The full calibration and fidelity run is a benchmark (`python -m sglang_hicache_ext.sglang_ext.tools.sim_calibration`);
-here a handful of multi-turn requests check that replay, hit accounting and the simulator agree.
+The full calibration and fidelity run is a benchmark (`hicache-ext-calibrate`); here a handful
+of multi-turn requests check that replay, hit accounting and the simulator agree.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sglang_hicache_ext.sglang_ext.tools.sim_calibration import (
-    DEPLOYMENTS,
-    _server,
-    replay_on_server,
+from sglang_hicache_ext.sglang_ext.tools.calibration_fidelity import DEPLOYMENTS, replay_on_server
+from sglang_hicache_ext.sglang_ext.tools.calibration_server import (
+    calibration_server,
     server_config,
 )
 from sglang_hicache_ext.tuning.sim.profile import Profile
@@ -40,7 +39,8 @@ def test_replay_hit_ratio_matches_the_simulator(smollm2_path: Path, tmp_path: Pa
     profile = Profile(kv_bytes_per_token=46080, block_tokens=16, prefix_cache_tokens=8192)
     gpu_only = DEPLOYMENTS[0]
     sim = simulate([r.as_sim_request() for r in scaled], gpu_only.sim_config(profile), profile)
-    with _server(server_config(smollm2_path, hierarchical=False), tmp_path / "server.log") as url:
+    config = server_config(smollm2_path, hierarchical=False)
+    with calibration_server(config, tmp_path / "server.log") as url:
         run = replay_on_server(url, scaled)
     # Later turns find their earlier turns (and all find the shared block): 44 of 81 blocks.
     assert sim.hit_ratio.total == pytest.approx(44 / 81)
