@@ -47,6 +47,15 @@ class ExtensionMetrics:
         def counter(name: str, doc: str, *extra: str) -> Counter:
             return Counter(f"{PREFIX}{name}", doc, [*base, *extra], **where)
 
+        def gauge(name: str, doc: str, label: str) -> Gauge:
+            # One value per scheduler process (tp_rank): the latest write wins, as SGLang's own.
+            return Gauge(
+                f"{PREFIX}{name}", doc, [*base, label], multiprocess_mode="mostrecent", **where
+            )
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{PREFIX}{name}", doc, [*base, "selector"], buckets=buckets, **where)
+
         self._fused = counter(
             "fused_requests_total", "Requests whose prefill ran through chunk fusion.", "selector"
         )
@@ -66,20 +75,16 @@ class ExtensionMetrics:
             "Requests that asked for fusion and got SGLang's normal prefill, by reason.",
             "reason",
         )
-        self._prefill_seconds = Histogram(
-            f"{PREFIX}fused_prefill_seconds",
+        self._prefill_seconds = histogram(
+            "fused_prefill_seconds",
             "Scheduler wall time of one fused request's prefill forward: the fusion executor "
             "and the writes of its K/V into SGLang's pool (no queueing, tokenizing or decode).",
-            [*base, "selector"],
-            buckets=PREFILL_SECONDS_BUCKETS,
-            **where,
+            PREFILL_SECONDS_BUCKETS,
         )
-        self._ratio = Histogram(
-            f"{PREFIX}fusion_recompute_ratio",
+        self._ratio = histogram(
+            "fusion_recompute_ratio",
             "Recompute ratio (option) each fused request used.",
-            [*base, "selector"],
-            buckets=RECOMPUTE_RATIO_BUCKETS,
-            **where,
+            RECOMPUTE_RATIO_BUCKETS,
         )
         self._chunk_hits = counter(
             "chunk_hits_total",
@@ -97,12 +102,8 @@ class ExtensionMetrics:
             "KV bytes of the chunk spans fusion plans took from the tier.",
             "tier",
         )
-        self._chunk_stored_bytes = Gauge(
-            f"{PREFIX}chunk_stored_bytes",
-            "KV bytes of registered chunks held in the tier.",
-            [*base, "tier"],
-            multiprocess_mode="mostrecent",
-            **where,
+        self._chunk_stored_bytes = gauge(
+            "chunk_stored_bytes", "KV bytes of registered chunks held in the tier.", "tier"
         )
         self._disk_hits = counter(
             "disk_hits_total", "Pages read from the disk tier into host memory.", "group"
@@ -117,13 +118,7 @@ class ExtensionMetrics:
             "disk_expired_pages_total", "Pages removed from the disk tier at their TTL.", "group"
         )
         self._replans = counter("ttl_replans_total", "Group TTL plans published by the disk tier.")
-        self._ttl_seconds = Gauge(
-            f"{PREFIX}ttl_seconds",
-            "Current TTL of a disk tier group.",
-            [*base, "group"],
-            multiprocess_mode="mostrecent",
-            **where,
-        )
+        self._ttl_seconds = gauge("ttl_seconds", "Current TTL of a disk tier group.", "group")
         self._storage_errors = counter(
             "storage_errors_total",
             "Disk tier faults answered as misses, by kind (see GET /hicache_ext/storage errors).",
