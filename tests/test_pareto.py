@@ -162,7 +162,7 @@ def test_selection_and_flags() -> None:
     assert flags[flags.index("--hicache-size") + 1] == "512"
     assert flags[flags.index("--hicache-storage-backend") + 1] == "dynamic"
     disk = json.loads(flags[flags.index("--hicache-storage-backend-extra-config") + 1])
-    assert disk["class_name"] == "KaretoDiskStorage" and disk["initial_ttl_s"] == 600
+    assert disk["class_name"] == "GroupTTLDiskStorage" and disk["initial_ttl_s"] == 600
     assert disk["capacity_bytes"] == 1300e9
     # The printed options are ones our backend accepts (checked like a launch would).
     from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import DiskTierOptions

@@ -1,6 +1,6 @@
 """Fuzz table over every extension route and every fusion option: only 2xx/4xx, never 5xx.
 
-One tiny-llama server with chunks and the disk tier (`KaretoDiskStorage`), so the storage
+One tiny-llama server with chunks and the disk tier (`GroupTTLDiskStorage`), so the storage
 routes are live. Each case is sent verbatim with `http.client` (no URL normalisation, raw JSON
 tokens such as NaN and Infinity, any content type). Our routes' refusals must carry
 `{"error": message}`; after the table the server still generates and lists chunks.

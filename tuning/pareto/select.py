@@ -88,7 +88,7 @@ def sglang_flags(evaluation: Evaluation, profile: Profile) -> list[str]:
         disk = {
             "backend_name": "hicache_ext_disk",
             "module_path": "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend",
-            "class_name": "KaretoDiskStorage",
+            "class_name": "GroupTTLDiskStorage",
             "interface_v1": 1,
             "disk_dir": f"/mnt/{point.disk}",
             "capacity_bytes": evaluation.result.disk_gb * 1e9,
