@@ -25,7 +25,7 @@ INFEASIBLE = 2
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sglang_hicache_ext.tuning.pareto", description=__doc__
+        prog="hicache-ext-pareto", description=__doc__
     )
     parser.add_argument("--trace", required=True, type=Path, help="JSONL request trace")
     parser.add_argument("--instances", required=True, type=int, help="serving instances (GPUs)")

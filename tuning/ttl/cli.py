@@ -23,7 +23,7 @@ GB = 1e9
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sglang_hicache_ext.tuning.ttl")
+    parser = argparse.ArgumentParser(prog="hicache-ext-ttl")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("replay", help="replay a trace through DRAM + TTL disk tiers")
     run.add_argument("--trace", required=True, help="JSONL trace (timestamp ms, hash_ids)")
