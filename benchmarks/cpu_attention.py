@@ -97,7 +97,6 @@ def measure_backend(backend: str, prompts: list[str], agree: list[str]) -> dict:
 
 def main() -> int:
     parser = server_benchmark_parser(__doc__, "cpu_attention.json")
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-tokens", type=int, default=6000)
     parser.add_argument("--agreement-prompts", type=int, default=5)
     args = parser.parse_args()

@@ -28,6 +28,7 @@ from sglang_hicache_ext.fusion.selectors import make_selector
 from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 FUSED_SELECTORS = ("a3", "freq", "cacheblend", "epic", "reuse")
 SYSTEM_TOKENS = 16
 QUESTION_TOKENS = 32
@@ -42,24 +43,9 @@ def llama3_8b_config(small: bool) -> Any:
         # The tests' tiny Llama: four layers, so a3/cacheblend (check layer 1) still have fused
         # layers after it.
         return tiny_config("llama", vocab_size=1024)
-    return LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    )
+    architecture = json.loads((MODEL_CONFIGS / "llama3_8b.json").read_text())
+    architecture.pop("_comment")
+    return LlamaConfig(**architecture)
 
 
 def build_adapter(small: bool, device: torch.device, dtype: torch.dtype) -> HFCausalLMAdapter:

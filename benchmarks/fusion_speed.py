@@ -72,7 +72,6 @@ def ttft(url: str, prompt: str, custom: dict[str, object]) -> tuple[float, dict]
 
 def main() -> int:
     parser = server_benchmark_parser(__doc__, "fusion_speed.json")
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--min-docs", type=int, default=6)
     parser.add_argument("--min-tokens", type=int, default=3000)
     args = parser.parse_args()
