@@ -49,7 +49,7 @@ class ChunkStore(Generic[V]):
         self._pins: dict[str, int] = {}
         self._bytes = 0
         self._lock = threading.Lock()
-        self._hits = self._misses = self._evictions = self._rejected = 0
+        self._counts = dict.fromkeys(("hits", "misses", "evictions", "rejected"), 0)
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
@@ -74,7 +74,7 @@ class ChunkStore(Generic[V]):
         size = int(value.nbytes)
         with self._lock:
             if size > self._capacity:
-                self._rejected += 1
+                self._counts["rejected"] += 1
                 raise StoreFullError(
                     f"entry {key[:12]} needs {size} bytes; the store holds {self._capacity}"
                 )
@@ -86,7 +86,7 @@ class ChunkStore(Generic[V]):
                 if old is not None:  # keep what was stored: a failed replace must not lose it
                     self._entries[key] = old
                     self._bytes += int(old.nbytes)
-                self._rejected += 1
+                self._counts["rejected"] += 1
                 raise StoreFullError(
                     f"entry {key[:12]} needs {size} bytes; {self._capacity - self._bytes} are free "
                     "and the rest is pinned by running requests"
@@ -99,10 +99,10 @@ class ChunkStore(Generic[V]):
         with self._lock:
             value = self._entries.get(key)
             if value is None:
-                self._misses += 1
+                self._counts["misses"] += 1
                 return None
             self._entries.move_to_end(key)
-            self._hits += 1
+            self._counts["hits"] += 1
             return value
 
     def remove(self, key: str) -> bool:
@@ -135,15 +135,8 @@ class ChunkStore(Generic[V]):
 
     def stats(self) -> ChunkStoreStats:
         with self._lock:
-            return ChunkStoreStats(
-                entries=len(self._entries),
-                bytes_used=self._bytes,
-                capacity_bytes=self._capacity,
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._evictions,
-                rejected=self._rejected,
-            )
+            occupancy = (len(self._entries), self._bytes, self._capacity)
+            return ChunkStoreStats(*occupancy, **self._counts)
 
     def _make_room(self, size: int) -> list[str]:
         evicted: list[str] = []
@@ -153,6 +146,6 @@ class ChunkStore(Generic[V]):
             if self._pins.get(key, 0) > 0:
                 continue
             self._bytes -= int(self._entries.pop(key).nbytes)
-            self._evictions += 1
+            self._counts["evictions"] += 1
             evicted.append(key)
         return evicted

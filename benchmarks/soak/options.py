@@ -30,11 +30,6 @@ class SoakOptions(BaseModel):
     report_every_s: float = Field(30.0, description="period of the progress lines")
     fault_at: float = Field(0.5, description="when the fault comes, as a fraction of the duration")
     corrupt_pages: int = Field(4, description="page files whose payload bytes the fault flips")
-    flush_at_fault: bool = Field(
-        True,
-        description="do not /flush_cache after the fault (the damaged pages are then read only "
-        "when their prefix leaves the host tier)",
-    )
     initial_chunks: int = Field(8, description="chunks registered before the mix starts")
     new_chunk_share: float = Field(0.7, description="share of registrations of new paragraphs")
     max_total_tokens: int = Field(4096, description="the server's device KV pool, in tokens")

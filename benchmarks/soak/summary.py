@@ -24,7 +24,6 @@ CONFIG_ARGS = (
     "read_every_s",
     "sample_s",
     "fault_at",
-    "flush_at_fault",
     "corrupt_pages",
     "seed",
 )
