@@ -1,0 +1,131 @@
+"""The package's layout rules: one namespace, cores without SGLang, small modules, a true map."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
+
+REPO = Path(__file__).resolve().parent.parent
+NAMESPACE = "sglang_hicache_ext"
+CORES = ("fusion", "radix", "tiers", "tuning", "evaluation")
+FOLDERS = (*CORES, "sglang_ext")
+MAX_MODULE_LINES = 400
+
+
+def _tracked_python_files() -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [REPO / name for name in listed if (REPO / name).exists()]
+
+
+def _modules(folder: str) -> list[str]:
+    names = []
+    for path in sorted((REPO / folder).rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue  # running a CLI is not importing the package
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.append(".".join((NAMESPACE, *parts)))
+    return names
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_cores_never_import_sglang(core: str) -> None:
+    # A fresh interpreter, so that nothing imported by other tests hides an import.
+    code = (
+        "import importlib, sys\n"
+        f"for name in {_modules(core)!r}:\n"
+        "    importlib.import_module(name)\n"
+        "bad = sorted(m for m in sys.modules if m == 'sglang' or m.startswith('sglang.'))\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, f"{core}/ imports SGLang: {result.stdout} {result.stderr[-2000:]}"
+
+
+# Which cores each core may import (docs/architecture.md, "The dependency rule").
+ALLOWED_CORE_IMPORTS = {
+    "fusion": set(),
+    "radix": set(),
+    "evaluation": set(),
+    "tiers": {"radix"},
+    "tuning": {"radix", "tiers"},
+}
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_cores_depend_on_each_other_one_way(core: str) -> None:
+    imported = re.compile(rf"^\s*(?:from|import)\s+{NAMESPACE}\.([a-z_]+)", re.MULTILINE)
+    used = {
+        name
+        for path in (REPO / core).rglob("*.py")
+        for name in imported.findall(path.read_text())
+    } - {core}
+    assert used <= ALLOWED_CORE_IMPORTS[core], f"{core}/ imports {sorted(used)}"
+
+
+def test_every_import_goes_through_the_namespace() -> None:
+    # The folders sit at the repository's top, so `import radix` would work from a checkout and
+    # fail (or import someone else's `radix`) once installed.
+    legacy = re.compile(rf"^\s*(from|import)\s+({'|'.join(FOLDERS)})(\.|\s|$)", re.MULTILINE)
+    offenders = [
+        f"{path.relative_to(REPO)}: {match.group(0).strip()}"
+        for path in _tracked_python_files()
+        for match in legacy.finditer(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_no_module_over_the_size_limit() -> None:
+    sizes = {path: len(path.read_text().splitlines()) for path in _tracked_python_files()}
+    over = {str(p.relative_to(REPO)): n for p, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert over == {}
+
+
+def test_architecture_map_lists_every_package_folder() -> None:
+    page = (REPO / "docs" / "architecture.md").read_text()
+    block = page.split("```text", 1)[1].split("```", 1)[0]
+    mapped = set(re.findall(r"^\s*([a-z_]+(?:/[a-z_]+)*)/\s", block, re.MULTILINE))
+    packages = {
+        str(init.parent.relative_to(REPO))
+        for folder in FOLDERS
+        for init in (REPO / folder).rglob("__init__.py")
+    }
+    assert packages - mapped == set(), "folders missing from docs/architecture.md's map"
+    assert mapped - packages - {"benchmarks", "examples", "tests", "scripts", "devenv", "docs"} == set()
+
+
+def test_architecture_page_names_only_files_that_exist() -> None:
+    page = (REPO / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`([a-z_/]+\.py)", page))
+    # Flows name modules relative to their folder (`server/settings.py`) or the repository.
+    roots = [REPO, REPO / "sglang_ext"]
+    missing = sorted(n for n in named if not any((root / n).exists() for root in roots))
+    assert named and missing == []
+
+
+@pytest.mark.parametrize(
+    ("device", "expected", "absent"),
+    [
+        ("cpu", ["--device", "cpu", "--sleep-on-idle", "--attention-backend", "torch_position"], []),
+        ("cuda", ["--device", "cuda"], ["--sleep-on-idle", "torch_position", "--mem-fraction-static"]),
+    ],
+)
+def test_launcher_follows_the_device(device: str, expected: list[str], absent: list[str]) -> None:
+    config = ServerConfig(model_path="m", device=device)
+    command = config.command()
+    joined = " ".join(command)
+    for flag in expected:
+        assert flag in command
+    for flag in absent:
+        assert flag not in joined
+    if device == "cpu":
+        assert config.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
