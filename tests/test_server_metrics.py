@@ -120,7 +120,7 @@ def _wait_until_written(url: str, before: Series, timeout_s: float = 30.0) -> Se
         if written > 0 and written == last:
             return series
         last = written
-        time.sleep(1.0)
+        time.sleep(0.5)
     raise AssertionError(f"disk writes did not settle in {timeout_s} s ({last} bytes so far)")
 
 
@@ -137,7 +137,7 @@ def test_disk_tier_series_count_pages_written_and_read(disk_server) -> None:
     details = again["meta_info"]["cached_tokens_details"]
     assert details["storage"] > 0 and details["device"] == 0, details
     assert again["output_ids"] == first["output_ids"]
-    time.sleep(1.5)  # > purge_interval_s: the maintenance thread exported the counts it keeps
+    time.sleep(0.6)  # > purge_interval_s: the maintenance thread exported the counts it keeps
     after = scrape(url)
 
     status = _status(url)
