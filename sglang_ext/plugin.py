@@ -79,6 +79,11 @@ def register() -> None:
             HookType.BEFORE,
         )
         HookRegistry.register(
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager.collect_metrics",
+            fused_prefill.observe_fused_ttft,
+            HookType.AROUND,
+        )
+        HookRegistry.register(
             "sglang.srt.server_args.ServerArgs.resolve_once",
             preflight.before_resolve,
             HookType.BEFORE,

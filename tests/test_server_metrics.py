@@ -103,9 +103,17 @@ def test_fusion_series_count_a_fused_request_and_a_fallback(hicache_server) -> N
     assert moved(before, after, "chunk_hits_total", tier="host") == 1
     assert moved(before, after, "chunk_read_bytes_total", tier="host") > 0
     assert total(after, "chunk_stored_bytes", tier="host") > 0
-    # SGLang's own labels on every series of ours.
-    labels = {dict(key[1]).get("tp_rank") for key in after}
-    assert labels == {"0"}, labels
+    # TTFT, observed in the HTTP process where SGLang measures its own: the fused request only,
+    # and never less than the scheduler's time for its fused prefill.
+    assert moved(before, after, "fused_time_to_first_token_seconds_count", **a3) == 1
+    assert moved(before, after, "fused_time_to_first_token_seconds_sum", **a3) >= moved(
+        before, after, "fused_prefill_seconds_sum", **a3
+    )
+    # SGLang's own labels on every series of ours: the scheduler's (model, tp_rank) on the
+    # scheduler's series, the tokenizer's (model) on the TTFT histogram.
+    ttft = PREFIX + "fused_time_to_first_token_seconds"
+    ranks = {dict(key[1]).get("tp_rank") for key in after if not key[0].startswith(ttft)}
+    assert ranks == {"0"}, ranks
     assert all(dict(key[1]).get("model_name") for key in after)
     print_series("fusion series after the test:", after)
 

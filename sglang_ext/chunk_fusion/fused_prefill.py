@@ -36,6 +36,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY, parse_o
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
     FusionRuntime,
     RequestPlan,
+    count_fallbacks,
     fall_back,
     plan_batch,
 )
@@ -44,7 +45,10 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     ChunkRegistry,
     registering_chunk,
 )
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import (
+    FusedTtftMetrics,
+    extension_metrics,
+)
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
 
 logger = logging.getLogger(__name__)
@@ -145,12 +149,32 @@ def forward_with_fusion(
             if adapter is not None:
                 return _run_fused_batch(rt, adapter, runner, forward_batch, plans)
             fall_back(rt, plans, "no_adapter")
+            count_fallbacks(rt, plans)  # plan_batch counted none: every plan was fused then
         output = original(runner, forward_batch, *args, **kwargs)
         _report(output.logits_output, [plan.info() for plan in plans])
         return output
     finally:
         for plan in plans:
             plan.release(rt.registry)
+
+
+_ttft_metrics: FusedTtftMetrics | None = None
+
+
+def observe_fused_ttft(original: Any, manager: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `TokenizerManager.collect_metrics` (runs only with `--enable-metrics`): when SGLang
+    observes a request's TTFT and every prefill round of it was fused, observe it for fusion too."""
+    global _ttft_metrics
+    already_observed = state.ttft_observed
+    result = original(manager, state, *args, **kwargs)
+    if already_observed or not state.ttft_observed:
+        return result
+    rounds = state.customized_info_accumulated.get(META_KEY) or []
+    if rounds and all(info and info.get("fused") for info in rounds):
+        if _ttft_metrics is None:
+            _ttft_metrics = FusedTtftMetrics(manager.metrics_collector.labels)
+        _ttft_metrics.observe(rounds[-1]["selector"], state.time_stats.get_first_token_latency())
+    return result
 
 
 def _report(logits_output: Any, infos: list[dict[str, Any] | None]) -> None:

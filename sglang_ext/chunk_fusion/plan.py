@@ -159,6 +159,12 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
     elif not _extend_tokens_agree(forward_batch, plans):
         fall_back(rt, plans, "inconsistent_batch")
         logger.error("fusion: batch tokens differ from the requests' prompts; normal prefill")
+    count_fallbacks(rt, plans)
+    return plans
+
+
+def count_fallbacks(rt: FusionRuntime, plans: list[RequestPlan]) -> None:
+    """Log and count (JSON stats and /metrics) every plan of a batch that falls back."""
     metrics = extension_metrics()
     for plan in plans:
         if plan.fallback is not None:
@@ -166,7 +172,6 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
             if metrics is not None:
                 metrics.fusion_fallback(plan.fallback)
             logger.info("request %s: normal prefill (%s)", plan.rid, plan.fallback)
-    return plans
 
 
 def fall_back(rt: FusionRuntime, plans: list[RequestPlan], reason: str) -> None:

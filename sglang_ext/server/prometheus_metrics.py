@@ -182,6 +182,38 @@ class ExtensionMetrics:
         self._storage_errors.labels(**self.labels, kind=kind).inc(count)
 
 
+# Client-visible time to the first token of a fused request: tens of milliseconds on a GPU to
+# minutes for long prompts on a CPU (SGLang's own TTFT histogram spans a similar range).
+TTFT_SECONDS_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+)  # fmt: skip
+
+
+class FusedTtftMetrics:
+    """The TTFT of fused requests, observed in SGLang's HTTP process, where TTFT is measured.
+
+    Same clock and same moment as SGLang's `sglang:time_to_first_token_seconds` (its
+    `TokenizerManager.collect_metrics`), split off for requests whose prefill was fused, so the
+    two histograms compare directly.
+    """
+
+    def __init__(self, labels: Mapping[str, str], registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Histogram
+
+        self.labels = dict(labels)
+        self._ttft = Histogram(
+            f"{PREFIX}fused_time_to_first_token_seconds",
+            "Time to first token of requests whose prefill ran through chunk fusion (every "
+            "round fused), as SGLang measures its time_to_first_token_seconds.",
+            [*self.labels, "selector"],
+            buckets=TTFT_SECONDS_BUCKETS,
+            registry=registry if registry is not None else REGISTRY,
+        )
+
+    def observe(self, selector: str, seconds: float) -> None:
+        self._ttft.labels(**self.labels, selector=selector).observe(seconds)
+
+
 class CountMirror:
     """Exports counts a core keeps itself (it imports no prometheus) as counter increments:
     each `changes` call returns what grew since the last call, per key."""
