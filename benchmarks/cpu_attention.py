@@ -20,8 +20,6 @@ import statistics
 import sys
 import time
 
-from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
-from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache, generate
 from tqdm import tqdm
 
 from benchmarks.smollm2_server import (
@@ -30,6 +28,8 @@ from benchmarks.smollm2_server import (
     smollm2_server,
     smollm2_tokenizer,
 )
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache, generate
 
 BACKENDS = ("torch_native", "torch_position")
 

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.executor import fused_prefill, precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
 from sglang_hicache_ext.fusion.selectors import make_selector
-from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"

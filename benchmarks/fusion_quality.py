@@ -19,14 +19,14 @@ import random
 import statistics
 import sys
 
+from tqdm import tqdm
+
+from benchmarks.smollm2_server import MODEL, server_benchmark_parser, smollm2_server
 from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity, f1_score
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
 from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from sglang_hicache_ext.sglang_ext.tools.streaming_client import stream_generate
-from tqdm import tqdm
-
-from benchmarks.smollm2_server import MODEL, server_benchmark_parser, smollm2_server
 
 SELECTORS = ("a3", "freq", "cacheblend", "epic", "random")
 RATIOS = (0.05, 0.15, 0.3)

@@ -18,9 +18,6 @@ import sys
 import time
 
 import requests
-from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
-from sglang_hicache_ext.sglang_ext.frontend import register_documents
-from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from tqdm import tqdm
 
 from benchmarks.smollm2_server import (
@@ -29,6 +26,9 @@ from benchmarks.smollm2_server import (
     smollm2_server,
     smollm2_tokenizer,
 )
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.frontend import register_documents
+from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 
 MODES: dict[str, dict[str, object]] = {
     "normal": {},

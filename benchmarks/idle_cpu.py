@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 
 import requests
-from sglang_hicache_ext.sglang_ext.server.launcher import free_port, stop_process_group
 from tqdm import tqdm
+
+from sglang_hicache_ext.sglang_ext.server.launcher import free_port, stop_process_group
 
 RESULTS = Path(__file__).resolve().parent / "results" / "idle_cpu.json"
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search
 from sglang_hicache_ext.tuning.pareto.evaluator import Evaluator, Workload, objective_matrix
 from sglang_hicache_ext.tuning.pareto.front import pareto_mask
@@ -28,7 +30,6 @@ from sglang_hicache_ext.tuning.pareto.plan import adaptive_settings, grid_space
 from sglang_hicache_ext.tuning.pareto.space import Point
 from sglang_hicache_ext.tuning.sim.simulator import simulate
 from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE, load_requests
-from tqdm import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+
 from sglang_hicache_ext.tuning.pareto.frontier_file import JSON_NAME, replot_frontier  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -27,6 +27,8 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from scipy.optimize import brentq  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
 from sglang_hicache_ext.tiers.ttl_policy import TtlTable  # noqa: E402
 from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE, TraceRequest, load_trace  # noqa: E402
 from sglang_hicache_ext.tuning.ttl.cli import replay_with_progress  # noqa: E402
@@ -36,7 +38,6 @@ from sglang_hicache_ext.tuning.ttl.replay import (  # noqa: E402
     ReplayConfig,
     ReplayResult,
 )
-from tqdm import tqdm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9

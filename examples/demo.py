@@ -18,6 +18,7 @@ from pathlib import Path
 
 # `python examples/demo.py` (make demo) puts this folder first on sys.path.
 from rag_pipeline import ask, connect
+
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, SMOLLM2, prepared_model
 from sglang_hicache_ext.sglang_ext.frontend import register_documents

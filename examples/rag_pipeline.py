@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sglang as sgl
+
 from sglang_hicache_ext.sglang_ext.frontend import FusionEndpoint
 
 SYSTEM_PROMPT = "Answer the question using the documents. Reply with a short phrase."

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
+
 from sglang_hicache_ext.fusion.chunk import ModelShape
 from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.attention import attend
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 
 

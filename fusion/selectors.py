@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
 from sglang_hicache_ext.fusion.request import RequestLayout
 
 

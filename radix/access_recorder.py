@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
 from sglang_hicache_ext.radix.groups import SubtreeGrouping, select_top_subtrees
 from sglang_hicache_ext.radix.shared_prefix import (
     DEFAULT_MIN_SHARE,

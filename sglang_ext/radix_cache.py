@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from sglang_hicache_ext.fusion.rope import rope_spec_from_config
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (

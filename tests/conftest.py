@@ -13,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from scripts.prepare_models import SMOLLM2, TINY_LLAMA, TINY_QWEN2, prepare  # noqa: E402
 from sglang_hicache_ext.sglang_ext.disk_tier.options import disk_tier_extra_config  # noqa: E402
 from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
@@ -20,8 +21,6 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     generate,
     running_server,
 )
-
-from scripts.prepare_models import SMOLLM2, TINY_LLAMA, TINY_QWEN2, prepare  # noqa: E402
 
 __all__ = ["E2E_DEVICE_TOKENS", "generate"]
 

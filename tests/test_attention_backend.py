@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from sglang_hicache_ext.sglang_ext.cpu.position_attention import BACKEND_NAME, _make_backend_class
 
 pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
@@ -67,6 +68,7 @@ def test_decode_matches_torch_native() -> None:
 def test_registered_as_attention_backend() -> None:
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
     from sglang_hicache_ext.sglang_ext.cpu import position_attention as attention_backend
 
     attention_backend.register()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex, ChunkMatch
 
 

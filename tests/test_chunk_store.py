@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
 
 

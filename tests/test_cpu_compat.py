@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from sglang_hicache_ext.sglang_ext.cpu.compat import _unpinned_host_pool, transfer_kv_direct_torch
 
 

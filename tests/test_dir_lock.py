@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from sglang_hicache_ext.sglang_ext.disk_tier.options import disk_tier_extra_config
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLock, DirectoryLockedError, holder_pid
 

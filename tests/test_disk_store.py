@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 import sglang_hicache_ext.tiers.page_file as page_file
 from sglang_hicache_ext.tiers.disk_store import DiskStore
 from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 import sglang_hicache_ext.tiers.disk_store as disk_store
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
 from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
-
 from tests.test_disk_store import FakeClock, make_store, page_files
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings

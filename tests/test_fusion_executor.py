@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.attention import attend, position_causal_attention
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
@@ -18,7 +20,6 @@ from sglang_hicache_ext.fusion.frequency import frequency_scores, low_pass
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.rope import apply_rope
 from sglang_hicache_ext.fusion.selectors import A3Selector, SelectionContext, make_selector
-from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

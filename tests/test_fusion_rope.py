@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec_from_config
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec_from_config
 
 ROPE_PARAMETERS = {
     "default": {"rope_type": "default", "rope_theta": 100000.0},

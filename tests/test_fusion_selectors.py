@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.executor import fused_prefill, precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.selectors import SELECTORS, make_selector
-from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

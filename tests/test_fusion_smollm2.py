@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.executor import generate_greedy, precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment
 from sglang_hicache_ext.fusion.rope import apply_rope
 from sglang_hicache_ext.fusion.selectors import make_selector
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
 from sglang_hicache_ext.radix.groups import (
     RESIDUAL_GROUP,

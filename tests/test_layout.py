@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from sglang_hicache_ext.evaluation.answer_quality import (
     embedding_similarity,
     f1_score,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from sglang_hicache_ext.tuning.cost import CostBreakdown
 from sglang_hicache_ext.tuning.pareto.adaptive import AdaptiveSettings, adaptive_search
 from sglang_hicache_ext.tuning.pareto.cli import main

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from sglang_hicache_ext.fusion.attention import gather_attend, position_causal_attention
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port
 from sglang_hicache_ext.sglang_ext.server.preflight import (
     PreflightError,
@@ -19,7 +20,6 @@ from sglang_hicache_ext.sglang_ext.server.preflight import (
     check_port_free,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import CONFIG_ENV_VAR, EXTRA_CONFIG_KEY
-
 from tests.server_processes import TCP_TIME_WAIT, tcp_states_on_port
 
 

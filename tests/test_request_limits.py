@@ -10,6 +10,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from starlette.requests import Request
+
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_prefill import validate_request
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import REGISTER_PARAM, registering_chunk
@@ -21,7 +23,6 @@ from sglang_hicache_ext.sglang_ext.server.request_limits import (
     read_bounded_body,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
-from starlette.requests import Request
 
 DEFAULTS = ExtensionSettings()
 

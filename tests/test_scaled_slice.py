@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from sglang_hicache_ext.tuning.sim.scaled_slice import SliceSpec, scale_slice
 from sglang_hicache_ext.tuning.trace import SimRequest
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+
 from sglang_hicache_ext.sglang_ext.server.launcher import generate
 
 pytestmark = pytest.mark.server
@@ -114,12 +115,13 @@ def test_probe_out_of_range_is_400(hicache_server) -> None:
 
 def test_chunk_longer_than_a_prefill_round(tiny_llama_path: Path, tmp_path: Path) -> None:
     """Chunked prefill checkpoints every round; the capture must wait for the whole chunk."""
+    from transformers import AutoTokenizer
+
     from sglang_hicache_ext.sglang_ext.server.launcher import (
         ServerConfig,
         free_port,
         running_server,
     )
-    from transformers import AutoTokenizer
 
     config = ServerConfig(
         model_path=str(tiny_llama_path),

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import requests
+
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion.selectors import SELECTORS
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
 
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
 from tests.conftest import disk_tier_config, generate
 from tests.test_server_disk_tier import _prompt, _set_ttls, _status
 

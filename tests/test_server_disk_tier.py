@@ -11,8 +11,8 @@ import time
 
 import pytest
 import requests
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache
 
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache
 from tests.conftest import generate
 
 pytestmark = pytest.mark.server

@@ -6,8 +6,8 @@ import time
 
 import pytest
 import requests
-from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 
+from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from tests.conftest import E2E_DEVICE_TOKENS, generate
 
 pytestmark = pytest.mark.server

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 
@@ -177,9 +178,8 @@ def test_concurrent_fused_requests_match_sequential(hicache_server, rag_prompts)
 
 def test_frontend_program_with_fusion_options(hicache_server) -> None:
     """An sgl.function program through FusionEndpoint: documents registered, options applied."""
-    from sglang_hicache_ext.sglang_ext.frontend import register_documents
-
     from examples.rag_pipeline import ask, connect
+    from sglang_hicache_ext.sglang_ext.frontend import register_documents
 
     example = load_hotpotqa(1, seed=21)[0]
     documents = list(example.documents[:4])

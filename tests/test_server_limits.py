@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
+
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     free_port,
@@ -23,7 +24,6 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     running_server,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import EXTRA_CONFIG_KEY
-
 from tests.server_processes import group_rss_bytes, server_process_group
 
 pytestmark = pytest.mark.server

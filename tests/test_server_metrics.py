@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 
+from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from tests.conftest import generate
 from tests.test_server_disk_tier import _prompt, _status
 

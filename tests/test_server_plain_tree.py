@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import requests
+
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     flush_cache,

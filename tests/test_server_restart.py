@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 from tests.server_processes import TCP_LISTEN, server_process_group, tcp_states_on_port
 
 pytestmark = pytest.mark.server

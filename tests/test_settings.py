@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from sglang_hicache_ext.sglang_ext.server.settings import (
     CONFIG_ENV_VAR,
     EXTRA_CONFIG_KEY,

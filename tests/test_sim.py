@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.cost import GB, disk_type
 from sglang_hicache_ext.tuning.lru import BlockLru

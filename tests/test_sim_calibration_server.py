@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from sglang_hicache_ext.sglang_ext.tools.calibration_fidelity import DEPLOYMENTS, replay_on_server
 from sglang_hicache_ext.sglang_ext.tools.calibration_server import (
     calibration_server,

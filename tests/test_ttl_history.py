@@ -8,6 +8,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP
 from sglang_hicache_ext.tuning.ttl.history_file import (
     MAGIC,
@@ -18,7 +19,6 @@ from sglang_hicache_ext.tuning.ttl.history_file import (
     stray_temp_files,
 )
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl, OnlineTtlConfig
-
 from tests.test_ttl_online import FakeClock, _path, _planted
 
 CONFIG = OnlineTtlConfig(policy="group", top_k=2, disk_budget_bytes=14 * 1000.0, window_s=1e6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP, SHARED_PREFIX_GROUP
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl, OnlineTtlConfig
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from sglang_hicache_ext.tuning.ttl.optimiser import solve_fixed_ttl, solve_group_ttls
 from sglang_hicache_ext.tuning.ttl.profile import GroupProfile, merge_profiles
 from sglang_hicache_ext.tuning.ttl.profile_set import ProfileSet

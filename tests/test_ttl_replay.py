@@ -8,6 +8,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
 from sglang_hicache_ext.radix.groups import SubtreeGrouping
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable

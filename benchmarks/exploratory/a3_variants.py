@@ -14,6 +14,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from tqdm import tqdm
+
+from benchmarks.exploratory.in_process import load_smollm2, question_segments
+from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion import generate_greedy, make_selector
@@ -24,10 +28,6 @@ from sglang_hicache_ext.fusion.selectors import (
     Selector,
     _top,
 )
-from tqdm import tqdm
-
-from benchmarks.exploratory.in_process import load_smollm2, question_segments
-from benchmarks.smollm2_server import RESULTS
 
 RATIO = 0.15
 ANSWER_TOKENS = 16

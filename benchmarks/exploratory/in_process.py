@@ -7,6 +7,9 @@ import random
 from typing import Any
 
 import torch
+
+from benchmarks.fusion_quality import chatml_prompt, documents_of
+from benchmarks.smollm2_server import smollm2_path, smollm2_tokenizer
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
 from sglang_hicache_ext.fusion import chunk_hash, precompute_chunk
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
@@ -14,9 +17,6 @@ from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-
-from benchmarks.fusion_quality import chatml_prompt, documents_of
-from benchmarks.smollm2_server import smollm2_path, smollm2_tokenizer
 
 
 def load_smollm2(threads: int) -> tuple[Any, HFCausalLMAdapter]:

@@ -29,6 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
+from benchmarks.exploratory.in_process import load_smollm2, question_segments
+from benchmarks.smollm2_server import MODEL, RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion import make_selector
@@ -36,10 +40,6 @@ from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.executor import KVCache, decode_step, fused_prefill
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector
-from tqdm import tqdm
-
-from benchmarks.exploratory.in_process import load_smollm2, question_segments
-from benchmarks.smollm2_server import MODEL, RESULTS
 
 ANSWER_TOKENS = 16
 RATIOS = (0.15, 0.3, 0.5, 0.7, 0.9)

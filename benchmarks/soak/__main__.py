@@ -10,15 +10,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
-from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
-from sglang_hicache_ext.sglang_ext.server.launcher import (
-    ServerConfig,
-    ServerStartError,
-    free_port,
-    running_server,
-)
-
 from benchmarks.soak.client import SoakClient
 from benchmarks.soak.console import print_summary, say
 from benchmarks.soak.options import SoakOptions, parse_options
@@ -28,6 +19,14 @@ from benchmarks.soak.server_process import find_server_process
 from benchmarks.soak.summary import summarise
 from benchmarks.soak.traffic import Traffic
 from scripts.prepare_models import SMOLLM2, prepare
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    ServerStartError,
+    free_port,
+    running_server,
+)
 
 
 def disk_tier_config(args: SoakOptions, disk_dir: Path) -> dict[str, Any]:

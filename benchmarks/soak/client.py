@@ -6,9 +6,9 @@ import contextlib
 from typing import Any
 
 import requests
-from sglang_hicache_ext.sglang_ext.tools.streaming_client import StreamError, stream_chunks
 
 from benchmarks.soak.records import Outcome, status_class
+from sglang_hicache_ext.sglang_ext.tools.streaming_client import StreamError, stream_chunks
 
 CONNECT_TIMEOUT_S = 10
 

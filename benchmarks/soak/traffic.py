@@ -8,8 +8,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
-
 from benchmarks.soak.client import SoakClient
 from benchmarks.soak.options import SoakOptions
 from benchmarks.soak.records import Outcome
@@ -21,6 +19,7 @@ from benchmarks.soak.workload import (
     long_prompt,
     shared_prompt,
 )
+from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
 
 
 @dataclass

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 import torch
+
 from sglang_hicache_ext.fusion.executor import fused_prefill
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY, parse_options

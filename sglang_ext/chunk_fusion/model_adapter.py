@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from sglang_hicache_ext.fusion.adapter import AttentionInputs, ModelAdapter
 from sglang_hicache_ext.fusion.chunk import ModelShape
 from sglang_hicache_ext.fusion.rope import rope_spec_from_config

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
+
 from sglang_hicache_ext.sglang_ext.server.settings import (
     ExtensionSettings,
     RecomputeRatio,

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 import torch
+
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate

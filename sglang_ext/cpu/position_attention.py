@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from sglang_hicache_ext.fusion.attention import gather_attend
 
 if TYPE_CHECKING:

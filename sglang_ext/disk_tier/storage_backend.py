@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP
 from sglang_hicache_ext.sglang_ext.disk_tier.dir_claim import (
     SERVER_LOCK_NAME,

@@ -32,6 +32,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
+
 from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     CONTROL_PREFIX,

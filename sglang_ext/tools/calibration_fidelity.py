@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from tqdm import tqdm
+
 from sglang_hicache_ext.sglang_ext.tools.calibration_server import (
     DEVICE_TOKENS,
     DISK_TTL_S,
@@ -32,7 +34,6 @@ from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.scaled_slice import ScaledRequest, SliceSpec, scale_slice
 from sglang_hicache_ext.tuning.sim.simulator import simulate
 from sglang_hicache_ext.tuning.trace import load_requests
-from tqdm import tqdm
 
 # Fidelity acceptance (issue 5): mean TTFT within 25 %, hit ratio within 5 points, throughput 15 %.
 LIMITS = {"mean_ttft": 0.25, "hit_ratio_points": 0.05, "throughput": 0.15}

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import requests
+from tqdm import tqdm
+
 from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from sglang_hicache_ext.sglang_ext.tools.calibration_server import (
     DEVICE_TOKENS,
@@ -30,7 +32,6 @@ from sglang_hicache_ext.sglang_ext.tools.calibration_server import (
 )
 from sglang_hicache_ext.tuning.sim.calibrate import DecodeSample, PrefillSample, fit_profile
 from sglang_hicache_ext.tuning.sim.profile import Profile
-from tqdm import tqdm
 
 PREFILL_CACHED = (0, 512, 2048)
 PREFILL_NEW = (32, 128, 512, 1024, 2048)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,

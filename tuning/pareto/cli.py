@@ -9,6 +9,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tqdm import tqdm
+
 from sglang_hicache_ext.tuning.cost import DISK_TYPES
 from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search
 from sglang_hicache_ext.tuning.pareto.evaluator import Evaluator, Workload
@@ -18,7 +20,6 @@ from sglang_hicache_ext.tuning.pareto.plan import DEFAULT_DISKS, adaptive_settin
 from sglang_hicache_ext.tuning.pareto.select import Constraints, closest_miss, describe, select
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.trace import TraceError
-from tqdm import tqdm
 
 INFEASIBLE = 2
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
 from sglang_hicache_ext.tuning.cost import Pricing
 from sglang_hicache_ext.tuning.pareto.space import Point
 from sglang_hicache_ext.tuning.sim.profile import Profile

@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # files only; no display on servers and CI
 
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
+
 from sglang_hicache_ext.tuning.pareto.evaluator import Evaluation  # noqa: E402
 
 _MARKERS = {"none": "o", "essd_pl0": "v", "essd_pl1": "s", "essd_pl2": "D", "essd_pl3": "^"}

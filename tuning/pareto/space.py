@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
 from sglang_hicache_ext.tuning.cost import disk_type
 from sglang_hicache_ext.tuning.sim.config import DiskConfig, SimConfig
 

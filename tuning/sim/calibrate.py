@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 from scipy.optimize import nnls
+
 from sglang_hicache_ext.tuning.sim.profile import Profile
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from sglang_hicache_ext.tuning.trace import SimRequest
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
 from sglang_hicache_ext.tuning.trace import SimRequest
 
 

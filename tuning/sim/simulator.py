@@ -8,6 +8,7 @@ import zlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.cost import GB, Pricing, deployment_cost, disk_type
 from sglang_hicache_ext.tuning.lru import BlockLru

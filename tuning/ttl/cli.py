@@ -9,6 +9,8 @@ import math
 import sys
 from collections.abc import Sequence
 
+from tqdm import tqdm
+
 from sglang_hicache_ext.tuning.trace import TraceRequest, load_trace
 from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner
 from sglang_hicache_ext.tuning.ttl.replay import (
@@ -17,7 +19,6 @@ from sglang_hicache_ext.tuning.ttl.replay import (
     ReplayResult,
     replay,
 )
-from tqdm import tqdm
 
 GB = 1e9
 

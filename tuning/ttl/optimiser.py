@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import brentq, minimize
+
 from sglang_hicache_ext.tuning.ttl.profile import GroupProfile, merge_profiles
 from sglang_hicache_ext.tuning.ttl.profile_set import ProfileSet
 

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import numpy as np
+
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder, WindowStats
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP, SubtreeGrouping
 from sglang_hicache_ext.tiers.ttl_policy import TtlTable

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from scipy.special import ndtr
+
 from sglang_hicache_ext.tuning.ttl.profile import GroupProfile
 
 _TINY_TTL = 1e-6

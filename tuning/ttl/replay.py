@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
 from sglang_hicache_ext.radix.groups import SubtreeGrouping
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
