@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,24 @@ def test_every_import_goes_through_the_namespace() -> None:
         for match in legacy.finditer(path.read_text())
     ]
     assert offenders == []
+
+
+# Import name -> distribution, where they differ; pydantic_core is pydantic's own API.
+DISTRIBUTION_OF = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "pydantic_core": "pydantic"}
+OPTIONAL_IMPORTS = {"flashinfer"}  # the `gpu` extra
+
+
+def test_declared_dependencies_are_what_the_package_imports() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=\[ ;]", spec, maxsplit=1)[0].lower() for spec in project["dependencies"]}
+    imported = set()
+    top_level = re.compile(r"^\s*(?:from|import)\s+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
+    for folder in FOLDERS:
+        for path in (REPO / folder).rglob("*.py"):
+            imported |= set(top_level.findall(path.read_text()))
+    third_party = imported - set(sys.stdlib_module_names) - {NAMESPACE, "__future__"}
+    needed = {DISTRIBUTION_OF.get(name, name) for name in third_party - OPTIONAL_IMPORTS}
+    assert needed == declared, f"imported, undeclared: {sorted(needed - declared)}; declared, unused: {sorted(declared - needed)}"
 
 
 def test_no_module_over_the_size_limit() -> None:

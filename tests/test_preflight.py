@@ -157,6 +157,12 @@ DISK_TIER = {
         ({**DISK_TIER, "ttl_policy": "lru"}, "hicache_ext", "not one of group, fixed, static"),
         ({**DISK_TIER, "capacity_bytes": 0}, "hicache_ext", "capacity_bytes must be > 0"),
         (DISK_TIER, None, "needs --radix-cache-backend hicache_ext"),
+        (
+            {**DISK_TIER, "class_name": "KaretoDiskStorage"},  # the class's name before 0.1.0
+            "hicache_ext",
+            "class_name 'KaretoDiskStorage' is not in "
+            "sglang_hicache_ext.sglang_ext.disk_tier.storage_backend: use 'GroupTTLDiskStorage'",
+        ),
     ],
 )
 def test_disk_tier_options_are_checked_before_launch(

@@ -67,11 +67,11 @@ from sglang_hicache_ext.tuning.ttl.online import OnlineTtl
 # What the preflight check, the launchers and older imports take from this module.
 __all__ = [
     "BACKEND_NAME",
+    "CLASS_NAME",
     "MODULE_PATH",
     "SERVER_LOCK_NAME",
     "DiskTierOptions",
     "GroupTTLDiskStorage",
-    "KaretoDiskStorage",
     "disk_tier_extra_config",
     "hold_disk_dir",
     "release_disk_dir",
@@ -315,9 +315,6 @@ class GroupTTLDiskStorage(HiCacheStorage):
             self.metrics_export.export(self)
 
 
-# The old name: extra configs written before the rename (and `tuning.pareto.select`'s
-# launch configs) still say "KaretoDiskStorage", and SGLang loads the class by that name.
-KaretoDiskStorage = GroupTTLDiskStorage
 if (__name__, GroupTTLDiskStorage.__name__) != (MODULE_PATH, CLASS_NAME):
     raise ImportError(f"options.MODULE_PATH / CLASS_NAME do not name {__name__}'s backend")
 

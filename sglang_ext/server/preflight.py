@@ -46,6 +46,12 @@ def check_disk_tier(server_args: Any) -> None:
 
     if extra.get("module_path") != storage_backend.MODULE_PATH:
         return
+    if extra.get("class_name") != storage_backend.CLASS_NAME:
+        # SGLang's dynamic factory would fail later, in the scheduler, with an AttributeError.
+        raise PreflightError(
+            f"class_name {extra.get('class_name')!r} is not in {storage_backend.MODULE_PATH}: "
+            f"use {storage_backend.CLASS_NAME!r}"
+        )
     try:
         options = storage_backend.DiskTierOptions.from_extra_config(extra)
     except (TypeError, ValueError) as err:
