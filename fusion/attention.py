@@ -8,6 +8,8 @@ tokens are never recomputed as redundant queries.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -114,8 +116,10 @@ def _prefix_extend_attention(
     return merged.to(q.dtype)
 
 
+@functools.cache
 def flashinfer_available() -> bool:
-    """True when the optional FlashInfer package imports (never required)."""
+    """True when the optional FlashInfer package imports (never required); asked once, since
+    attention calls it per layer and a failed import searches sys.path every time."""
     try:
         import flashinfer  # noqa: F401
     except Exception:
@@ -130,6 +134,8 @@ attend = position_causal_attention
 def _flashinfer_chosen(backend: str, query: torch.Tensor) -> bool:
     if backend not in ("torch", "flashinfer", "auto"):
         raise ValueError(f"unknown attention backend {backend!r}")
+    if backend == "torch":
+        return False
     usable = (
         query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
@@ -138,7 +144,7 @@ def _flashinfer_chosen(backend: str, query: torch.Tensor) -> bool:
     )
     if backend == "flashinfer" and not usable:
         raise ValueError("flashinfer backend needs CUDA fp16/bf16 tensors and flashinfer installed")
-    return backend != "torch" and usable
+    return usable
 
 
 def _flashinfer_attention(
