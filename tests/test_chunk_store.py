@@ -98,3 +98,15 @@ def test_precomputed_chunk_sizes_itself(tiny_llama_path) -> None:
     store.put(chunk.content_hash, chunk)
     assert store.get(chunk.content_hash) is chunk
     assert store.peek(chunk.content_hash) is chunk and store.stats().hits == 1  # peek is not a hit
+
+
+def test_pins_count_as_lookups() -> None:
+    # Fusion plans read chunks by pinning them: GET /chunks' hit ratio must see those reads.
+    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store.put("a", Blob(10))
+    store.pin("a")
+    with pytest.raises(KeyError):
+        store.pin("gone")
+    assert store.get("a") is not None
+    stats = store.stats()
+    assert (stats.hits, stats.misses) == (2, 1)

@@ -116,9 +116,15 @@ class ChunkStore(Generic[V]):
             return True
 
     def pin(self, key: str) -> V:
-        """Take a reference that keeps the entry resident; KeyError if it is not stored."""
+        """Take a reference that keeps the entry resident; KeyError if it is not stored.
+
+        A lookup like `get` (fusion reads chunks this way), so it counts as a hit or a miss."""
         with self._lock:
-            value = self._entries[key]
+            value = self._entries.get(key)
+            if value is None:
+                self._counts["misses"] += 1
+                raise KeyError(key)
+            self._counts["hits"] += 1
             self._pins[key] = self._pins.get(key, 0) + 1
             self._entries.move_to_end(key)
             return value
