@@ -29,21 +29,21 @@ def _make_backend_class() -> type:
 
     # The overrides take SGLang's arguments as they come and read them by SGLang's own names,
     # so its signatures are written once, in SGLang.
-    extend_signature = inspect.signature(TorchNativeAttnBackend._run_sdpa_forward_extend)
-    decode_signature = inspect.signature(TorchNativeAttnBackend._run_sdpa_forward_decode)
+    read_extend = _CallReader(inspect.signature(TorchNativeAttnBackend._run_sdpa_forward_extend))
+    read_decode = _CallReader(inspect.signature(TorchNativeAttnBackend._run_sdpa_forward_decode))
 
     class TorchPositionAttnBackend(TorchNativeAttnBackend):
         """TorchNativeAttnBackend whose extend/decode attend only the new queries."""
 
         def _run_sdpa_forward_extend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            call = _arguments(extend_signature, self, args, kwargs)
+            call = read_extend(self, args, kwargs)
             if not (call["causal"] and _plain_self_attention(call)):
                 return super()._run_sdpa_forward_extend(*args, **kwargs)
             prefix_lens = call["extend_prefix_lens"].tolist()
             return _attend_new_queries(call, prefix_lens, call["extend_seq_lens"].tolist())
 
         def _run_sdpa_forward_decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            call = _arguments(decode_signature, self, args, kwargs)
+            call = read_decode(self, args, kwargs)
             if not _plain_self_attention(call):
                 return super()._run_sdpa_forward_decode(*args, **kwargs)
             # One new query per request, at the last position.
@@ -53,13 +53,28 @@ def _make_backend_class() -> type:
     return TorchPositionAttnBackend
 
 
-def _arguments(
-    signature: inspect.Signature, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Mapping[str, Any]:
-    """SGLang's call as `{parameter name: value}`, defaults filled in."""
-    bound = signature.bind(backend, *args, **kwargs)
-    bound.apply_defaults()
-    return bound.arguments
+class _CallReader:
+    """Reads SGLang's call as `{parameter name: value}`, defaults filled in.
+
+    Built once per signature: attention runs per layer and step, where `Signature.bind` would
+    cost ~8 us a call. SGLang's methods take plain positional-or-keyword parameters only."""
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        kinds = {p.kind for p in signature.parameters.values()}
+        if kinds != {inspect.Parameter.POSITIONAL_OR_KEYWORD}:
+            raise TypeError(f"unexpected SGLang attention signature {signature}")
+        self.names = list(signature.parameters)
+        self.defaults = {
+            name: p.default
+            for name, p in signature.parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+
+    def __call__(self, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        call = dict(self.defaults)
+        call.update(zip(self.names, (backend, *args), strict=False))
+        call.update(kwargs)
+        return call
 
 
 def _plain_self_attention(call: Mapping[str, Any]) -> bool:
