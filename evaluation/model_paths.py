@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
+QWEN_CODER = "Qwen2.5-Coder-0.5B-Instruct"
 TINY_LLAMA = "tiny-llama"
 TINY_QWEN2 = "tiny-qwen2"
 PREPARED_MARKER = ".prepared"

