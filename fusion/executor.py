@@ -1,10 +1,11 @@
 """Layer-by-layer fused prefill: reuse chunk KV at global positions, recompute a selection.
 
-Per layer the request KV [N, Hkv, D] is assembled from the stored chunk KV (keys rotated to their
-global positions) with the freshly computed K/V scattered over it; queries exist only for the
-tokens computed at that layer and attend over the whole request KV by position. Tokens outside
-chunks and the last token are always computed; chunk tokens are computed up to and including
-the selector's check layer (if any), then only the selected ones.
+Per layer the request KV [N, Hkv, D] is assembled from the exact prefix (if any), the stored
+chunk KV (keys rotated to their global positions) and the freshly computed K/V; queries exist
+only for the tokens computed at that layer and attend over the whole request KV by position.
+Which tokens those are is `request_state.RequestState`'s business. Several requests go through
+each layer together: their computed tokens form one matrix for the projections, norms and MLP,
+and attention runs per request.
 """
 
 from __future__ import annotations
@@ -19,20 +20,9 @@ from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.attention import attend
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
-from sglang_hicache_ext.fusion.request import RequestLayout, Segment, build_layout
+from sglang_hicache_ext.fusion.request import RequestLayout, Segment
+from sglang_hicache_ext.fusion.request_state import FusionJob, KVCache, RequestState
 from sglang_hicache_ext.fusion.selectors import CheckLayerState, SelectionContext, Selector
-
-
-@dataclass(frozen=True, eq=False)
-class KVCache:
-    """Post-RoPE K and V of every layer for tokens at positions 0..num_tokens-1."""
-
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.keys[0].shape[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,7 +32,9 @@ class FusionResult:
     logits: float32 [vocab] of the last request token. selected: sorted global positions of the
     chunk tokens recomputed after the check layer. computed_tokens[l]: tokens whose q/k/v were
     projected at layer l (at the check layer all of them; only the selection goes on to attention).
-    kv: the request KV (for decoding) when asked for.
+    num_chunk_tokens: chunk tokens after the exact prefix (those the selector chose from).
+    kv: the request KV (for decoding) when asked for. hidden: the last layer's output (the
+    residual stream before the final norm) of positions `outputs_from`..N-1, when asked for.
     """
 
     logits: torch.Tensor
@@ -51,6 +43,8 @@ class FusionResult:
     num_tokens: int
     num_chunk_tokens: int
     kv: KVCache | None = None
+    hidden: torch.Tensor | None = None
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,66 +90,104 @@ def fused_prefill(
     *,
     return_kv: bool = False,
     attention_backend: str = "torch",
+    exact_prefix: KVCache | None = None,
+    outputs_from: int | None = None,
 ) -> FusionResult:
-    """Prefill `segments` reusing chunk KV, recomputing what `selector` picks."""
-    layout = build_layout(list(segments))
-    _check_request(adapter, layout, selector)
-    device = adapter.device
-    num_tokens = layout.num_tokens
-    positions = torch.arange(num_tokens, device=device)
-    always = ~layout.is_chunk
-    # The next-token logits come from the last token, so it is computed even inside a chunk.
-    always[-1] = True
-    check_layer = selector.check_layer
+    """Prefill `segments` reusing chunk KV, recomputing what `selector` picks (see FusionJob)."""
+    job = FusionJob(segments, selector, exact_prefix, outputs_from, return_kv)
+    return fused_prefill_batch(adapter, [job], attention_backend=attention_backend)[0]
 
-    selected = layout.chunk_positions[:0]
-    if check_layer is None:
-        selected = selector.select(SelectionContext(layout))
-        active = _with_selected(always, selected)
-    else:
-        active = torch.ones(num_tokens, dtype=torch.bool)
-    active_idx = torch.nonzero(active).flatten().to(device)
 
-    hidden = adapter.embed(layout.token_ids.to(device)[active_idx])
-    plan = _reuse_plan(layout, active)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    computed: list[int] = []
+@torch.inference_mode()
+def fused_prefill_batch(
+    adapter: ModelAdapter, jobs: Sequence[FusionJob], *, attention_backend: str = "torch"
+) -> list[FusionResult]:
+    """Several fused prefills at once: per layer, the computed tokens of every request go through
+    the projections, norms and MLP as one matrix; attention and selection stay per request."""
+    if not jobs:
+        return []
+    states = [RequestState(adapter, job) for job in jobs]
+    hidden = adapter.embed(_cat([state.active_token_ids() for state in states]))
     for layer in range(adapter.shape.num_layers):
         q, k, v = adapter.attention_inputs(layer, hidden)
-        q_pos = positions[active_idx]
+        q_pos = _cat([state.q_pos for state in states])
         q, k = adapter.rotate(q, q_pos), adapter.rotate(k, q_pos)
-        computed.append(int(active_idx.numel()))
-        if layer == check_layer:
-            # Every token was computed up to here: k/v already cover the whole request.
-            layer_k, layer_v = k, v
-            every_row = [torch.arange(span.length) for span in layout.spans]
-            reused = _load_reused(adapter, layout, layer, every_row)
-            state = CheckLayerState(layer, q, k, v, reused.keys, reused.values, adapter.attn_scale)
-            selected = selector.select(SelectionContext(layout, state))
-            active = _with_selected(always, selected)
-            keep = active.to(device)[active_idx]
-            q, hidden = q[keep], hidden[keep]
-            active_idx = torch.nonzero(active).flatten().to(device)
-            q_pos = positions[active_idx]
-            plan = _reuse_plan(layout, active)
-        else:
-            reused = _load_reused(adapter, layout, layer, plan)
-            layer_k, layer_v = _assemble(reused, k, v, active_idx, num_tokens)
-        attn = attend(q, layer_k, layer_v, q_pos, positions, adapter.attn_scale, attention_backend)
-        hidden = adapter.attention_output(layer, hidden, attn)
-        if return_kv:
-            keys.append(layer_k)
-            values.append(layer_v)
-    logits = adapter.logits(hidden[-1:])[0].float()
-    return FusionResult(
-        logits=logits,
-        selected=selected,
-        computed_tokens=tuple(computed),
-        num_tokens=num_tokens,
-        num_chunk_tokens=layout.num_chunk_tokens,
-        kv=KVCache(tuple(keys), tuple(values)) if return_kv else None,
+        sizes = [state.num_active for state in states]
+        kept, attended = [], []
+        for state, *rows in zip(
+            states, hidden.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes), strict=True
+        ):
+            state.computed.append(int(rows[0].shape[0]))
+            rows_kept, attn = _attend_request(adapter, state, layer, *rows, attention_backend)
+            kept.append(rows_kept)
+            attended.append(attn)
+        hidden = adapter.attention_output(layer, _cat(kept), _cat(attended))
+    finals = hidden.split([state.num_active for state in states])
+    logits = adapter.logits(_cat([final[-1:] for final in finals])).float()
+    return [
+        FusionResult(
+            logits=logits[i],
+            selected=state.selected,
+            computed_tokens=tuple(state.computed),
+            num_tokens=state.num_tokens,
+            num_chunk_tokens=state.layout.num_chunk_tokens,
+            kv=KVCache(tuple(state.keys), tuple(state.values)) if state.job.return_kv else None,
+            hidden=state.outputs(final),
+            prefix_tokens=state.prefix_len,
+        )
+        for i, (state, final) in enumerate(zip(states, finals, strict=True))
+    ]
+
+
+def _attend_request(
+    adapter: ModelAdapter,
+    state: RequestState,
+    layer: int,
+    hidden: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's attention at `layer`; at its check layer, the selection narrows its rows.
+    Returns the hidden rows that go on and their attention output."""
+    layout = state.layout
+    prefix_k, prefix_v = state.prefix_kv(layer, k.dtype)
+    if layer == state.check_layer:
+        # Every token after the prefix was computed up to here, in position order.
+        layer_k, layer_v = _after(prefix_k, k), _after(prefix_v, v)
+        every_row = [torch.arange(span.length) for span in layout.spans]
+        reused = _load_reused(adapter, layout, layer, every_row)
+        # Selectors index queries by global position; cached prefix rows have none (zeros).
+        queries = _after(
+            None if prefix_k is None else q.new_zeros((state.prefix_len, *q.shape[1:])), q
+        )
+        check = CheckLayerState(
+            layer, queries, layer_k, layer_v, reused.keys, reused.values, adapter.attn_scale
+        )
+        keep = state.narrow(state.selector.select(SelectionContext(layout, check)))
+        q, hidden = q[keep], hidden[keep]
+    else:
+        reused = _load_reused(adapter, layout, layer, state.plan)
+        layer_k, layer_v = _assemble(
+            reused, k, v, state.active_idx, state.num_tokens, prefix_k, prefix_v
+        )
+    attn = attend(
+        q, layer_k, layer_v, state.q_pos, state.positions, adapter.attn_scale, attention_backend
     )
+    if state.job.return_kv:
+        state.keys.append(layer_k)
+        state.values.append(layer_v)
+    return hidden, attn
+
+
+def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    # One request: no copy, so a lone prefill runs exactly the operations it always did.
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
+def _after(prefix: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    return rows if prefix is None else torch.cat((prefix, rows))
 
 
 @torch.inference_mode()
@@ -207,34 +239,12 @@ def generate_greedy(
     return GenerationResult(tuple(tokens), prefill.logits, prefill)
 
 
-def _check_request(adapter: ModelAdapter, layout: RequestLayout, selector: Selector) -> None:
-    for span in layout.spans:
-        span.chunk.check_compatible(adapter.shape)
-    check = selector.check_layer
-    if check is not None and check >= adapter.shape.num_layers:
-        raise ValueError(f"{selector.name} checks layer {check}; model has too few layers")
-
-
-def _with_selected(always: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    mask = always.clone()
-    mask[selected.cpu()] = True
-    return mask
-
-
 class _Reused(NamedTuple):
     """Stored chunk KV of one layer for some tokens: keys rotated to their global positions."""
 
     positions: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
-
-
-def _reuse_plan(layout: RequestLayout, active: torch.Tensor) -> list[torch.Tensor]:
-    """Per chunk occurrence, the local rows to load from the store (those not computed)."""
-    return [
-        torch.nonzero(~active[span.start : span.start + span.length]).flatten()
-        for span in layout.spans
-    ]
 
 
 def _load_reused(
@@ -260,14 +270,25 @@ def _load_reused(
 
 
 def _assemble(
-    reused: _Reused, k: torch.Tensor, v: torch.Tensor, active_idx: torch.Tensor, num_tokens: int
+    reused: _Reused,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    active_idx: torch.Tensor,
+    num_tokens: int,
+    prefix_k: torch.Tensor | None = None,
+    prefix_v: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request KV [N, Hkv, D]: reused rows and computed rows, each at its position."""
-    if active_idx.numel() == num_tokens:
-        # Every token computed this layer, in position order: nothing to scatter.
-        return k, v
+    """Request KV [N, Hkv, D]: exact prefix rows, reused rows and computed rows, each at its
+    position."""
+    prefix_len = 0 if prefix_k is None else int(prefix_k.shape[0])
+    if active_idx.numel() == num_tokens - prefix_len:
+        # Every token after the prefix computed this layer, in position order: nothing to scatter.
+        return _after(prefix_k, k), _after(prefix_v, v)
     layer_k = k.new_empty((num_tokens, *k.shape[1:]))
     layer_v = v.new_empty((num_tokens, *v.shape[1:]))
+    if prefix_k is not None and prefix_v is not None:
+        layer_k[:prefix_len] = prefix_k
+        layer_v[:prefix_len] = prefix_v
     layer_k[reused.positions] = reused.keys
     layer_v[reused.positions] = reused.values
     layer_k[active_idx] = k
@@ -276,11 +297,13 @@ def _assemble(
 
 
 __all__ = [
+    "FusionJob",
     "FusionResult",
     "GenerationResult",
     "KVCache",
     "decode_step",
     "fused_prefill",
+    "fused_prefill_batch",
     "generate_greedy",
     "precompute_chunk",
 ]

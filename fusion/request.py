@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,45 @@ class RequestLayout:
     def chunk_positions(self) -> torch.Tensor:
         """Global positions of all chunk tokens, in request order."""
         return torch.nonzero(self.is_chunk, as_tuple=False).flatten()
+
+
+def slice_chunk(chunk: PrecomputedChunk, start: int, end: int) -> PrecomputedChunk:
+    """Rows [start, end) of a chunk (views of its tensors; the chunk itself when whole)."""
+    if (start, end) == (0, chunk.num_tokens):
+        return chunk
+    return PrecomputedChunk(
+        token_ids=chunk.token_ids[start:end],
+        keys=tuple(k[start:end] for k in chunk.keys),
+        values=tuple(v[start:end] for v in chunk.values),
+        freq_scores=chunk.freq_scores[:, start:end],
+        alpha=chunk.alpha,
+    )
+
+
+def after_exact_prefix(segments: Sequence[Segment], prefix_len: int) -> list[Segment]:
+    """The same tokens, with everything before `prefix_len` as plain text.
+
+    Positions below `prefix_len` hold exact cached KV, so they are neither chunk tokens to select
+    nor tokens to compute; a chunk the prefix covers in part keeps only its rows after it.
+    """
+    out: list[Segment] = []
+    position = 0
+    for segment in segments:
+        if isinstance(segment, TextSegment):
+            out.append(segment)
+            position += len(segment.token_ids)
+            continue
+        chunk = segment.chunk
+        start, position = position, position + chunk.num_tokens
+        if start >= prefix_len:
+            out.append(segment)
+        elif position <= prefix_len:
+            out.append(TextSegment(chunk.token_ids))
+        else:
+            cut = prefix_len - start
+            out.append(TextSegment(chunk.token_ids[:cut]))
+            out.append(ChunkSegment(slice_chunk(chunk, cut, chunk.num_tokens)))
+    return out
 
 
 def build_layout(segments: list[Segment] | tuple[Segment, ...]) -> RequestLayout:

@@ -12,7 +12,10 @@ from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.attention import attend, position_causal_attention
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.executor import (
+    FusionJob,
+    KVCache,
     fused_prefill,
+    fused_prefill_batch,
     generate_greedy,
     precompute_chunk,
 )
@@ -25,6 +28,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FAMILIES = ["llama", "qwen2"]
 ATOL = 1e-4
+# Batched requests: one matrix product for all rows reorders fp32 sums (GEMM blocking depends on
+# the row count), so results equal one-by-one runs within fp32 noise, not bit for bit (measured
+# at most 1.2e-7 on the tiny models' logits).
+BATCH_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +258,96 @@ def test_request_ending_in_chunk_and_text_only(models: dict, family: str) -> Non
     text_only = fused_prefill(adapter, [TextSegment(tuple(ids))], make_selector("a3", 0.5))
     assert text_only.selected.numel() == 0
     torch.testing.assert_close(text_only.logits, _hf_logits(adapter, ids)[-1], rtol=0, atol=ATOL)
+
+
+def _hf_prefix(adapter: HFCausalLMAdapter, ids: list[int]) -> KVCache:
+    """The KV a normal forward of `ids` leaves (what a prefix-tree hit holds), post-RoPE."""
+    with torch.inference_mode():
+        cache = adapter.model(torch.tensor([ids]), use_cache=True).past_key_values
+    layers = range(adapter.shape.num_layers)
+    return KVCache(
+        tuple(cache.layers[i].keys[0].transpose(0, 1).contiguous() for i in layers),
+        tuple(cache.layers[i].values[0].transpose(0, 1).contiguous() for i in layers),
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prefix_len", [10, 24, 60])
+def test_exact_prefix_is_neither_computed_nor_queried(
+    models: dict, family: str, prefix_len: int
+) -> None:
+    # 10 ends inside the first chunk (4..24), 24 at its end, 60 inside the question.
+    adapter = models[family]
+    segments, ids = _rag_request(adapter)
+    prefix = _hf_prefix(adapter, ids[:prefix_len])
+    reference = _hf_logits(adapter, ids)[-1]
+    for name in ("full", "a3", "cacheblend"):
+        result = fused_prefill(
+            adapter, segments, make_selector(name, 1.0), exact_prefix=prefix, return_kv=True
+        )
+        torch.testing.assert_close(result.logits, reference, rtol=0, atol=ATOL)
+        assert result.computed_tokens == (len(ids) - prefix_len,) * adapter.shape.num_layers
+        assert result.prefix_tokens == prefix_len and result.kv is not None
+        assert torch.equal(result.kv.keys[3][:prefix_len], prefix.keys[3])
+    # Only chunk tokens after the prefix are chosen from: a chunk it covers in part starts there.
+    partial = fused_prefill(adapter, segments, make_selector("a3", 0.25), exact_prefix=prefix)
+    chunk_tokens = sum(max(0, end - max(start, prefix_len)) for start, end in ((4, 24), (27, 55)))
+    assert partial.num_chunk_tokens == chunk_tokens
+    assert partial.selected.numel() == round(0.25 * chunk_tokens)
+    assert bool((partial.selected >= prefix_len).all())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outputs_from_are_computed_at_every_layer(models: dict, family: str) -> None:
+    adapter = models[family]
+    segments, ids = _rag_request(adapter)
+    full = fused_prefill(adapter, segments, make_selector("full", 1.0), outputs_from=30)
+    assert full.hidden is not None and full.hidden.shape[0] == len(ids) - 30
+    # The hidden states are the last layer's output before the final norm: the LM head over
+    # them gives the normal forward's logits at every one of those positions.
+    torch.testing.assert_close(
+        adapter.logits(full.hidden), _hf_logits(adapter, ids)[30:], rtol=0, atol=ATOL
+    )
+    reuse = fused_prefill(adapter, segments, make_selector("reuse", 0.0), outputs_from=30)
+    # Text tokens (4 + 3 + 15) plus chunk-2 tokens 30..54 at every layer.
+    assert reuse.computed_tokens == (4 + 3 + 15 + 25,) * adapter.shape.num_layers
+    with pytest.raises(ValueError, match="outputs_from"):
+        fused_prefill(
+            adapter,
+            segments,
+            make_selector("full", 1.0),
+            exact_prefix=_hf_prefix(adapter, ids[:20]),
+            outputs_from=10,
+        )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_equals_one_by_one(models: dict, family: str) -> None:
+    adapter = models[family]
+    segments, ids = _rag_request(adapter)
+    other_ids = _ids(21, 40)
+    other = [
+        TextSegment(tuple(other_ids[:6])),
+        ChunkSegment(precompute_chunk(adapter, other_ids[6:30])),
+        TextSegment(tuple(other_ids[30:]), question=True),
+    ]
+    jobs = [
+        FusionJob(segments, make_selector("a3", 0.25), return_kv=True),
+        FusionJob(other, make_selector("reuse", 0.0), outputs_from=35),
+        FusionJob(
+            segments, make_selector("cacheblend", 0.3), exact_prefix=_hf_prefix(adapter, ids[:10])
+        ),
+        FusionJob(other, make_selector("epic", 0.5), return_kv=True),
+    ]
+    batched = fused_prefill_batch(adapter, jobs)
+    for job, together in zip(jobs, batched, strict=True):
+        alone = fused_prefill_batch(adapter, [job])[0]
+        assert torch.equal(together.selected, alone.selected)
+        assert together.computed_tokens == alone.computed_tokens
+        torch.testing.assert_close(together.logits, alone.logits, rtol=0, atol=BATCH_ATOL)
+        if alone.hidden is not None:
+            torch.testing.assert_close(together.hidden, alone.hidden, rtol=0, atol=BATCH_ATOL)
+        if alone.kv is not None:
+            assert together.kv is not None
+            for mine, theirs in zip(together.kv.keys, alone.kv.keys, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=BATCH_ATOL)
