@@ -1,0 +1,253 @@
+"""Does fusion keep the model's answers? F1 retention and fidelity per selector and ratio.
+
+In process (the fusion executor over transformers' modules; the server reproduces the executor's
+answers exactly, docs/fusion-sglang.md), HotpotQA distractor questions, every paragraph of a
+question registered as a chunk and the paragraphs shuffled in the prompt (ChatML, the same prompt
+as benchmarks/fusion_quality.py). Per question, every method on the same prompt:
+
+- the greedy answer (stopped at <|im_end|>, at most 24 tokens): token F1 against the gold answer,
+  and agreement with the full prefill's answer (equal after HotpotQA normalisation);
+- the teacher-forced KL to the full prefill along the full prefill's answer, and the first-token KL;
+- the prefill's wall time, as a ratio to the full prefill's on the same prompt.
+
+Summary per method: F1 retention = mean F1 / mean F1 of the full prefill with a 95 % paired
+bootstrap interval (scipy.stats.bootstrap, BCa), agreement, teacher-forced KL and the share of
+reuse's KL it closes (`kl_gap_closed`, also with a bootstrap interval), median prefill-time ratio.
+
+    python -m benchmarks.fusion_retention --model qwen --questions 200 \
+        --methods reuse,default@0.15,a3@0.15,cacheblend@0.15 [--resume]
+-> benchmarks/results/fusion_retention_<model>.json (rewritten after every question).
+A method is `full`, `reuse`, or `<selector>[+sink<N>]@<ratio>`; `default` is the server's default
+selector. `--resume` adds missing questions and methods to an earlier file (the full prefill's
+answer must reproduce exactly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.stats import bootstrap
+from tqdm import tqdm
+
+from benchmarks.fusion_quality import chatml_prompt
+from benchmarks.smollm2_server import RESULTS
+from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_answer
+from sglang_hicache_ext.evaluation.fused_answers import (
+    MethodRun,
+    kl_divergence,
+    run_method,
+    teacher_forced_kl,
+)
+from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
+from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
+from sglang_hicache_ext.fusion import chunk_hash, make_selector, precompute_chunk
+from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
+from sglang_hicache_ext.fusion.request import Segment
+from sglang_hicache_ext.fusion.selectors import Selector
+from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+
+MODELS = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}
+PREPARE = {"qwen": "make models-qwen", "smollm2": "make models"}
+ANSWER_TOKENS = 24
+SEED = 2026  # question sample: the same questions for every model and method
+DEFAULT_SELECTOR = ExtensionSettings().fusion_selector
+
+
+def load_model(name: str, dtype: torch.dtype) -> tuple[Any, HFCausalLMAdapter]:
+    from transformers import AutoTokenizer
+
+    path = prepared_model(MODELS[name])
+    if path is None:
+        raise SystemExit(f"{MODELS[name]} is not prepared: run `{PREPARE[name]}`")
+    return AutoTokenizer.from_pretrained(path), HFCausalLMAdapter.from_pretrained(str(path), dtype)
+
+
+def question_segments(
+    example: HotpotQAExample, tokenizer: Any, adapter: ModelAdapter
+) -> list[Segment]:
+    """The prompt with every paragraph shuffled in, each matched to its precomputed chunk the way
+    the server matches them (the whole prompt tokenized, chunks found by the chunk index)."""
+    paragraphs = list(example.documents)
+    shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
+    ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
+    registry = ChunkRegistry(2**34, adapter.rope_spec)
+    for paragraph in paragraphs:
+        tokens = tokenizer.encode(paragraph, add_special_tokens=False)
+        registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
+        registry.index.add(chunk_hash(tokens), tokens)
+    return pinned_chunk_segments(registry, ids)[0]
+
+
+def parse_method(method: str) -> Selector:
+    if method in ("full", "reuse"):
+        return make_selector(method, 1.0 if method == "full" else 0.0)
+    name, _, ratio = method.partition("@")
+    name, _, sinks = name.partition("+sink")
+    name = DEFAULT_SELECTOR if name == "default" else name
+    return make_selector(name, float(ratio), sink_tokens=int(sinks or 0))
+
+
+def measure(
+    full: MethodRun, run: MethodRun, tokenizer: Any, gold: str, full_text: str
+) -> dict[str, Any]:
+    text = tokenizer.decode(run.answer, skip_special_tokens=True).strip()
+    return {
+        "answer": text,
+        "f1": f1_score(text, gold),
+        "agree": normalize_answer(text) == normalize_answer(full_text),
+        "kl": teacher_forced_kl(full, run),
+        "first_kl": kl_divergence(full.first_logits, run.first_logits),
+        "prefill_s": run.prefill_s,
+    }
+
+
+def _interval(samples: tuple[np.ndarray, ...], statistic: Any) -> list[float]:
+    if len(samples[0]) < 3 or np.ptp(np.concatenate(samples)) == 0:
+        value = float(statistic(*samples))
+        return [value, value]
+    result = bootstrap(
+        samples,
+        statistic,
+        paired=True,
+        vectorized=False,
+        n_resamples=2000,
+        confidence_level=0.95,
+        method="BCa",
+        random_state=0,
+    )
+    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
+
+
+def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
+    rows = [row for row in rows if all(m in row["methods"] for m in methods)]
+    f1_full = np.array([row["f1_full"] for row in rows])
+    kl_reuse = (
+        np.array([row["methods"]["reuse"]["kl"] for row in rows]) if "reuse" in methods else None
+    )
+    summary: dict[str, dict[str, Any]] = {
+        "full": {
+            "questions": len(rows),
+            "f1": float(f1_full.mean()),
+            "retention": 1.0,
+            "agree": 1.0,
+        }
+    }
+    for method in methods:
+        f1 = np.array([row["methods"][method]["f1"] for row in rows])
+        kl = np.array([row["methods"][method]["kl"] for row in rows])
+        values: dict[str, Any] = {
+            "questions": len(rows),
+            "f1": float(f1.mean()),
+            "retention": float(f1.mean() / f1_full.mean()),
+            "retention_ci95": _interval((f1, f1_full), lambda a, b: a.mean() / b.mean()),
+            "agree": statistics.mean(row["methods"][method]["agree"] for row in rows),
+            "kl": float(kl.mean()),
+            "first_kl": statistics.mean(row["methods"][method]["first_kl"] for row in rows),
+            "prefill_ratio": statistics.median(
+                row["methods"][method]["prefill_s"] / row["full_prefill_s"] for row in rows
+            ),
+        }
+        if kl_reuse is not None:
+            values["kl_gap_closed"] = float(1 - kl.mean() / kl_reuse.mean())
+            values["kl_gap_closed_ci95"] = _interval(
+                (kl, kl_reuse), lambda a, b: 1 - a.mean() / b.mean()
+            )
+        summary[method] = values
+    return summary
+
+
+def print_table(summary: dict[str, dict[str, Any]]) -> None:
+    print(
+        f"{'method':<22}{'n':>5}{'F1':>7}{'retention [95% CI]':>24}{'agree':>7}{'KL':>8}"
+        f"{'KL gap [95% CI]':>22}{'time':>7}"
+    )
+    for method, v in summary.items():
+        ci = v.get("retention_ci95", [1.0, 1.0])
+        gap = v.get("kl_gap_closed")
+        gap_text = (
+            f"{gap:.2f} [{v['kl_gap_closed_ci95'][0]:.2f},{v['kl_gap_closed_ci95'][1]:.2f}]"
+            if gap is not None
+            else ""
+        )
+        print(
+            f"{method:<22}{v['questions']:>5}{v['f1']:>7.3f}"
+            f"{v['retention']:>9.3f} [{ci[0]:.3f},{ci[1]:.3f}]{v['agree']:>7.2f}"
+            f"{v.get('kl', 0.0):>8.4f}{gap_text:>22}{v.get('prefill_ratio', 1.0):>7.2f}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen")
+    parser.add_argument("--questions", type=int, default=200)
+    parser.add_argument("--methods", default="reuse,default@0.15,a3@0.15,cacheblend@0.15")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    methods = [m for m in args.methods.split(",") if m != "full"]
+    selectors = {m: parse_method(m) for m in methods}
+    out = args.out or RESULTS / f"fusion_retention_{args.model}.json"
+    torch.set_num_threads(args.threads)
+    tokenizer, adapter = load_model(args.model, torch.float32)
+    stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    rows: list[dict[str, Any]] = (
+        json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
+    )
+    by_qid = {row["qid"]: row for row in rows}
+    for example in tqdm(load_hotpotqa(args.questions, seed=SEED), desc=args.model, disable=None):
+        row = by_qid.get(example.qid)
+        missing = [m for m in methods if row is None or m not in row["methods"]]
+        if not missing:
+            continue
+        began = time.perf_counter()
+        segments = question_segments(example, tokenizer, adapter)
+        full = run_method(adapter, segments, make_selector("full", 1.0), stop, ANSWER_TOKENS)
+        full_text = tokenizer.decode(full.answer, skip_special_tokens=True).strip()
+        if row is None:
+            row = {
+                "qid": example.qid,
+                "gold": example.answer,
+                "full": full_text,
+                "f1_full": f1_score(full_text, example.answer),
+                "methods": {},
+            }
+            rows.append(row)
+            by_qid[example.qid] = row
+        elif row["full"] != full_text:
+            raise RuntimeError(f"{example.qid}: the full prefill's answer did not reproduce")
+        row["full_prefill_s"] = full.prefill_s
+        for method in missing:
+            run = run_method(adapter, segments, selectors[method], stop, ANSWER_TOKENS, full.answer)
+            row["methods"][method] = measure(full, run, tokenizer, example.answer, full_text)
+        out.write_text(json.dumps({"model": MODELS[args.model], "rows": rows}, indent=1) + "\n")
+        tqdm.write(f"{example.qid}: {time.perf_counter() - began:.0f}s")
+    all_methods = list(dict.fromkeys(m for row in rows for m in row["methods"]))
+    summary = summarise(rows, all_methods)
+    report = {
+        "model": MODELS[args.model],
+        "dtype": "float32",
+        "answer_tokens": ANSWER_TOKENS,
+        "default_selector": DEFAULT_SELECTOR,
+        "summary": summary,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print_table(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Answers and fidelity of one prefill method on one prompt, against the full prefill.
+
+A method is a selector (`full` is the normal prefill computed by the same executor). For each we
+keep its greedy answer (stopped at a stop token) and the teacher-forced logits along the *full
+prefill's* answer: a divergence that one early token flip does not compound. Decoding reuses the
+shared prefix of both paths, so teacher forcing costs only the steps after the answers differ.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
+
+import torch
+
+from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion.executor import KVCache, decode_step, fused_prefill
+from sglang_hicache_ext.fusion.request import Segment
+from sglang_hicache_ext.fusion.selectors import Selector
+
+
+class MethodRun(NamedTuple):
+    """One method on one prompt.
+
+    answer: greedy token ids (the stop token included when reached); first_logits: the prefill's
+    next-token logits; forced_logits: logits predicting each token of the reference answer (the
+    method's own answer when no reference was given); prefill_s: wall time of the prefill.
+    """
+
+    answer: tuple[int, ...]
+    first_logits: torch.Tensor
+    forced_logits: tuple[torch.Tensor, ...]
+    prefill_s: float
+
+
+def run_method(
+    adapter: ModelAdapter,
+    segments: Sequence[Segment],
+    selector: Selector,
+    stop_ids: Collection[int],
+    max_tokens: int,
+    reference: Sequence[int] | None = None,
+) -> MethodRun:
+    """Fused prefill with `selector`, greedy answer, logits along `reference` (teacher forcing)."""
+    began = time.perf_counter()
+    prefill = fused_prefill(adapter, segments, selector, return_kv=True)
+    prefill_s = time.perf_counter() - began
+    assert prefill.kv is not None
+    answer, logits, caches = _greedy(adapter, prefill.kv, prefill.logits, stop_ids, max_tokens)
+    if reference is None:
+        return MethodRun(answer, prefill.logits, tuple(logits[: len(answer)]), prefill_s)
+    # logits[i] predicts answer[i] after prompt + answer[:i]: along the reference as long as the
+    # two answers agree on the tokens before i.
+    forced = list(logits[: min(_common_prefix(answer, reference) + 1, len(reference))])
+    kv = caches[len(forced) - 1]
+    for index in range(len(forced), len(reference)):
+        step_logits, kv = decode_step(adapter, kv, int(reference[index - 1]))
+        forced.append(step_logits)
+    return MethodRun(answer, prefill.logits, tuple(forced), prefill_s)
+
+
+def kl_divergence(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(reference || logits) of two next-token distributions given as logits."""
+    ref, log_p = reference.float().log_softmax(-1), logits.float().log_softmax(-1)
+    return float((ref.exp() * (ref - log_p)).sum())
+
+
+def teacher_forced_kl(reference: MethodRun, run: MethodRun) -> float:
+    """Mean per-token KL to the reference along the reference's answer."""
+    pairs = list(zip(reference.forced_logits, run.forced_logits, strict=True))
+    return sum(kl_divergence(ref, got) for ref, got in pairs) / len(pairs)
+
+
+def _greedy(
+    adapter: ModelAdapter,
+    kv: KVCache,
+    first_logits: torch.Tensor,
+    stop_ids: Collection[int],
+    max_tokens: int,
+) -> tuple[tuple[int, ...], list[torch.Tensor], list[KVCache]]:
+    """Greedy tokens; logits[i] predicts token i; caches[i] holds the prompt and tokens[:i]."""
+    logits, caches = [first_logits], [kv]
+    tokens = [int(first_logits.argmax())]
+    while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
+        step_logits, kv = decode_step(adapter, kv, tokens[-1])
+        logits.append(step_logits)
+        caches.append(kv)
+        tokens.append(int(step_logits.argmax()))
+    return tuple(tokens), logits, caches
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
