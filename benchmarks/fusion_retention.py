@@ -5,7 +5,7 @@ answers exactly, docs/fusion-sglang.md), HotpotQA distractor questions, every pa
 question registered as a chunk and the paragraphs shuffled in the prompt (ChatML, the same prompt
 as benchmarks/fusion_quality.py). Per question, every method on the same prompt:
 
-- the greedy answer (stopped at <|im_end|>, at most 24 tokens): token F1 against the gold answer,
+- the greedy answer (stopped at <|im_end|>, at most 16 tokens): token F1 against the gold answer,
   and agreement with the full prefill's answer (equal after HotpotQA normalisation);
 - the teacher-forced KL to the full prefill along the full prefill's answer, and the first-token KL;
 - the prefill's wall time, as a ratio to the full prefill's on the same prompt.
@@ -60,7 +60,7 @@ from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 MODELS = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}
 PREPARE = {"qwen": "make models-qwen", "smollm2": "make models"}
-ANSWER_TOKENS = 24
+ANSWER_TOKENS = 16
 SEED = 2026  # question sample: the same questions for every model and method
 DEFAULT_SELECTOR = ExtensionSettings().fusion_selector
 

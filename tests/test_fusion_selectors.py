@@ -178,3 +178,51 @@ def test_unsupported_model_raises() -> None:
 def _fake_chunk(n: int) -> PrecomputedChunk:
     kv = (torch.zeros(n, 1, 4),)
     return PrecomputedChunk(tuple(range(n)), kv, kv, torch.zeros(1, n))
+
+
+def test_question_error_is_the_first_order_change_of_question_outputs() -> None:
+    """The score equals, term for term, sum over heads and question tokens of
+    |a_i dv_i + a_i (scale q.dk_i) (v_i - o)| computed the slow way (GQA: 4 heads on 2 KV heads)."""
+    from sglang_hicache_ext.fusion.selectors import CheckLayerState, SelectionContext
+
+    generator = torch.Generator().manual_seed(11)
+    segments = [
+        TextSegment((1, 2, 3)),
+        ChunkSegment(_random_chunk(9, generator)),
+        TextSegment((4, 5, 6, 7), question=True),
+    ]
+    layout = build_layout(segments)
+    n, heads, kv_heads, dim, scale = layout.num_tokens, 4, 2, 8, 0.35
+    q = torch.randn(n, heads, dim, generator=generator)
+    k = torch.randn(n, kv_heads, dim, generator=generator)
+    v = torch.randn(n, kv_heads, dim, generator=generator)
+    chunk = layout.chunk_positions
+    reused_k = k[chunk] + 0.1 * torch.randn(len(chunk), kv_heads, dim, generator=generator)
+    reused_v = v[chunk] + 0.1 * torch.randn(len(chunk), kv_heads, dim, generator=generator)
+    state = CheckLayerState(1, q, k, v, reused_k, reused_v, scale)
+    got = make_selector("question_error", 0.3).score(SelectionContext(layout, state))
+
+    expected = torch.zeros(len(chunk))
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        for p in torch.nonzero(layout.is_question).flatten().tolist():
+            a = (k[: p + 1, g] @ q[p, h] * scale).softmax(-1)
+            o = a @ v[: p + 1, g]
+            for c, i in enumerate(chunk.tolist()):
+                dk, dv = reused_k[c, g] - k[i, g], reused_v[c, g] - v[i, g]
+                change = a[i] * dv + a[i] * scale * (q[p, h] @ dk) * (v[i, g] - o)
+                expected[c] += change.norm()
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def _random_chunk(length: int, generator: torch.Generator) -> PrecomputedChunk:
+    layers, kv_heads, dim = 2, 2, 8
+    return PrecomputedChunk(
+        token_ids=tuple(range(100, 100 + length)),
+        keys=tuple(torch.randn(length, kv_heads, dim, generator=generator) for _ in range(layers)),
+        values=tuple(
+            torch.randn(length, kv_heads, dim, generator=generator) for _ in range(layers)
+        ),
+        freq_scores=torch.zeros(layers, length),
+        alpha=0.5,
+    )
