@@ -3,9 +3,10 @@
 The server prefills in rounds of 128 tokens, so long prompts are split across chunked-prefill
 rounds and share batches with fused requests (the shape that crashed the scheduler: a split
 normal request planned from its whole prompt wrote more K/V rows than its round allocated).
-Traffic mixes fused requests with every selector, fused requests that must fall back (split
-prompt, logprobs asked), normal long prompts with and without a shared system prefix, logprobs,
-streaming, and streams the client drops midway.
+Traffic mixes fused requests with every selector, fused prompts split across rounds, fused
+requests with logprobs, normal long prompts with and without a shared system prefix, logprobs,
+streaming, and streams the client drops midway. Also here, on the same server: a ~1.5K-token
+fused prompt over 12 rounds and fused logprobs, each equal to the normal prefill at r = 1.
 
 `HICACHE_EXT_CONCURRENCY_ROUNDS=N` repeats the concurrent phase N times against the same
 one-by-one reference (the issue's "10 runs in a row": N=10).
@@ -145,16 +146,13 @@ def jobs(concurrency_server: ServerConfig, smollm2_path: Path) -> list[Job]:
                 expect="fused",
             )
         )
-    # Fused asked, but the prompt spans rounds (three chunks): normal prefill, reported. Once an
-    # earlier run has put the prompt into the tree, its exact cached prefix is used instead.
+    # Fused, the prompt spanning two rounds (three chunks): computed whole in its first round.
     for i in range(4):
         text = (
             f"Notes {i}:\n{docs[6 + i]}\n\n{docs[(7 + i) % 12]}\n\n{docs[i]}\nWhich is older?\nA:"
         )
-        mix.append(
-            Job(f"fused-split-{i}", text, custom=_fused("a3"), expect="split_prefill|prefix_cached")
-        )
-    # Fused asked with logprobs: normal prefill, reported.
+        mix.append(Job(f"fused-split-{i}", text, custom=_fused("a3"), expect="fused"))
+    # Fused with input logprobs from the first token: every token is computed (exact).
     for i in range(4):
         mix.append(
             Job(
@@ -162,7 +160,7 @@ def jobs(concurrency_server: ServerConfig, smollm2_path: Path) -> list[Job]:
                 f"Source {i}:\n{docs[6 + i]}\nSummary:",
                 custom=_fused("cacheblend"),
                 logprobs=True,
-                expect="logprobs_requested",
+                expect="fused",
             )
         )
     # Normal long prompts (split into ~6 rounds), half behind a shared system prefix.
@@ -304,3 +302,88 @@ def test_reproduction_split_normal_requests_beside_fused(
         _server_alive(concurrency_server)
     stats = requests.get(url + "/server_info", timeout=60).json()["internal_states"][0]
     assert stats["hicache_ext"]["fusion"]["fused_requests"] >= 4 * ROUNDS
+
+
+def _generate(url: str, text: str, custom: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    sampling = {"max_new_tokens": 8, "temperature": 0, "custom_params": custom}
+    body = {"text": text, "sampling_params": sampling, **extra}
+    response = requests.post(url + "/generate", json=body, timeout=900)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _fusion_stats(url: str) -> dict[str, int]:
+    info = requests.get(url + "/server_info", timeout=60).json()["internal_states"][0]
+    return info["hicache_ext"]["fusion"]
+
+
+def test_long_fused_prompt_across_rounds_equals_normal_prefill(
+    concurrency_server: ServerConfig, smollm2_path: Path
+) -> None:
+    """A ~1.5K-token prompt of 10 registered paragraphs at 128-token rounds: fused (computed in
+    the first round, written round by round), and at r = 1 the normal prefill's tokens."""
+    from transformers import AutoTokenizer
+
+    url = concurrency_server.url
+    docs = [d for example in load_hotpotqa(4, seed=31) for d in example.documents][:10]
+    for doc in docs:
+        assert requests.post(url + "/chunks", json={"text": doc}, timeout=300).status_code == 200
+    prompt = "Split check.\n" + "\n\n".join(docs[::-1]) + "\nWhich is the oldest?\nA:"
+    tokens = len(AutoTokenizer.from_pretrained(str(smollm2_path)).encode(prompt))
+    assert tokens >= 1200
+    before = _fusion_stats(url)
+    fused = _generate(url, prompt, _fused("full"))
+    (info,) = fused["meta_info"]["hicache_ext_fusion"]
+    assert info["fused"] and info["chunks_hit"] == 10
+    assert info["prefill_rounds"] >= tokens // CHUNKED_PREFILL
+    after = _fusion_stats(url)
+    assert not {k for k in after if k.startswith("fallback_") and after[k] != before.get(k, 0)}
+    assert after["fused_continuation_rounds"] - before.get("fused_continuation_rounds", 0) == (
+        info["prefill_rounds"] - 1
+    )
+    normal = _generate(url, prompt, {})
+    assert fused["output_ids"] == normal["output_ids"]
+    reused = _generate(url, prompt.replace("Split check.", "Split reuse."), _fused("reuse"))
+    assert reused["meta_info"]["hicache_ext_fusion"][0]["tokens_reused"] >= tokens // 2
+
+
+def _gaps(mine: list[list[Any]], theirs: list[list[Any]]) -> list[float]:
+    """|a - b| of two [logprob, token id, text] lists over the same token ids."""
+    assert [e[1] for e in mine] == [e[1] for e in theirs]
+    return [abs(a[0] - b[0]) for a, b in zip(mine, theirs, strict=True) if a[0] is not None]
+
+
+def _max_logprob_gap(fused: dict[str, Any], normal: dict[str, Any]) -> float:
+    mine, theirs = fused["meta_info"], normal["meta_info"]
+    gaps = [0.0]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert len(mine[key]) > 0
+        gaps += _gaps(mine[key], theirs[key])
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        for top_mine, top_theirs in zip(mine[key], theirs[key], strict=True):
+            gaps += _gaps(top_mine or [], top_theirs or [])
+    return max(gaps)
+
+
+def test_fused_logprobs_match_the_normal_prefill(
+    concurrency_server: ServerConfig, jobs: list[Job]
+) -> None:
+    """Input and output logprobs (and top-3) with fusion at r = 1 equal the normal prefill's
+    within fp32 noise, over a prompt split into 3 rounds; at r = 0.15 they come back fused."""
+    url = concurrency_server.url
+    notes = [j.text for j in jobs if j.name.startswith("fused-split")][:2]
+    prompt = "Logprob check.\n" + "\n".join(notes) + "\nSo:"
+    extra = {"return_logprob": True, "logprob_start_len": 5, "top_logprobs_num": 3}
+    fused = _generate(url, prompt, _fused("full"), **extra)
+    assert fused["meta_info"]["hicache_ext_fusion"][0]["prefill_rounds"] >= 2
+    normal = _generate(url, prompt, {}, **extra)
+    assert fused["output_ids"] == normal["output_ids"]
+    gap = _max_logprob_gap(fused, normal)
+    print(f"fused (r=1) vs normal logprobs: max abs difference {gap:.2e}")
+    assert gap < 1e-3
+    output_only = _generate(
+        url, prompt.replace("Logprob", "Output"), _fused("a3"), return_logprob=True
+    )
+    (info,) = output_only["meta_info"]["hicache_ext_fusion"]
+    assert info["fused"] and info["tokens_reused"] > 0
+    assert len(output_only["meta_info"]["output_token_logprobs"]) == 8

@@ -48,8 +48,7 @@ def test_full_recompute_equals_normal_prefill(hicache_server, rag_prompts) -> No
     url = hicache_server.url
     for prompt in rag_prompts:
         # A variant no other test sends, fused first: a fused prefill inserts nothing, while the
-        # normal one puts the prompt into every tier (the file tier survives /flush_cache), and a
-        # prompt cached over all its chunks is not fused at all (fallback prefix_cached).
+        # normal one puts the prompt into every tier (the file tier survives /flush_cache).
         variant = prompt.replace("Documents:", "Exactness check. Documents:")
         flush_cache(url)
         fused = _generate(
@@ -60,11 +59,35 @@ def test_full_recompute_equals_normal_prefill(hicache_server, rag_prompts) -> No
         flush_cache(url)
         normal = _generate(url, variant)
         assert fused["output_ids"] == normal["output_ids"]
+        # The cached prefix now holds every chunk token: nothing is left to fuse.
         again = _generate(url, variant, fusion=True, fusion_selector="a3")
         assert again["meta_info"]["hicache_ext_fusion"] == [
             {"fused": False, "fallback": "prefix_cached"}
         ]
         assert again["output_ids"] == normal["output_ids"]
+
+
+def test_cached_prefix_rows_are_reused_not_recomputed(hicache_server, rag_prompts) -> None:
+    """A prefix-tree hit that reaches into chunk tokens: its exact rows are read from the KV
+    pool, neither computed nor queried; the chunk it cuts is reused after it. At r = 1 the
+    answer is the normal prefill's, with or without the cached prefix."""
+    url = hicache_server.url
+    prompt = rag_prompts[2].replace("Documents:", "Prefix reuse check. Documents:")
+    flush_cache(url)
+    alone = _generate(url, prompt, fusion=True, fusion_selector="full", fusion_recompute_ratio=1.0)
+    (alone_info,) = alone["meta_info"]["hicache_ext_fusion"]
+    assert alone_info["fused"] and alone_info["prefix_tokens"] == 0
+    _generate(url, prompt[: len(prompt) // 3])  # a normal prefill: exact rows into the tree
+    cached = _generate(url, prompt, fusion=True, fusion_selector="full", fusion_recompute_ratio=1.0)
+    (info,) = cached["meta_info"]["hicache_ext_fusion"]
+    assert info["fused"] and info["chunks_hit"] == 6
+    assert info["prefix_tokens"] == cached["meta_info"]["cached_tokens"] > 0
+    # The prefix ends inside the chunks: fewer chunk tokens are left to select from.
+    assert 0 < info["chunk_tokens"] < alone_info["chunk_tokens"]
+    assert info["tokens_recomputed"] == cached["meta_info"]["prompt_tokens"] - info["prefix_tokens"]
+    flush_cache(url)
+    normal = _generate(url, prompt)
+    assert alone["output_ids"] == cached["output_ids"] == normal["output_ids"]
 
 
 @pytest.mark.parametrize(
@@ -88,7 +111,10 @@ def test_selectors_reuse_chunk_kv(hicache_server, rag_prompts, selector: str, ra
         <= recomputed_chunk_tokens
         <= expected_recomputed_chunk_tokens + 1
     )
-    assert info["tokens_recomputed"] == out["meta_info"]["prompt_tokens"] - info["tokens_reused"]
+    assert (
+        info["tokens_recomputed"]
+        == out["meta_info"]["prompt_tokens"] - info["tokens_reused"] - info["prefix_tokens"]
+    )
     assert len(out["output_ids"]) == 12
 
 

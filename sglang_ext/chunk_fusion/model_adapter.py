@@ -38,6 +38,7 @@ class SGLangModelAdapter(ModelAdapter):
         self.attn_scale = float(attn.scaling)
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.hidden_size = int(weight.shape[1])
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self._model.model.embed_tokens(token_ids)
@@ -58,6 +59,9 @@ class SGLangModelAdapter(ModelAdapter):
         hidden = hidden + out
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final norm: what its forward hands the logits processor."""
+        return self._model.model.norm(hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed = self._model.model.norm(hidden)
-        return (normed @ self._model.lm_head.weight.t()).float()
+        return (self.final_norm(hidden) @ self._model.lm_head.weight.t()).float()

@@ -2,7 +2,9 @@
 
 `plan_batch` decides, for every request of a batch, whether this round is fused and, if not,
 why (the fallback reason reported to the client). A batch is fused only when every request is.
-`FusionRuntime.will_fuse` is admission's cheaper guess of the same decision.
+A fused request is computed whole in its first round; its later chunked-prefill rounds only
+write the rows kept for them (`FusionRuntime.pending`). `FusionRuntime.will_fuse` is admission's
+cheaper guess of the same decision.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import weakref
 from collections import Counter
 from typing import Any
 
-from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
+from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment, slice_chunk
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
+from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
@@ -32,9 +34,13 @@ class FusionRuntime:
         self.registry = registry
         self.settings = settings
         self.requests: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-        # Requests seen in a partial chunked-prefill round: never fused in a later round.
-        self.split_requests: weakref.WeakSet[Any] = weakref.WeakSet()
-        # Admission: where the first chunk starts in each prompt (None: not fusable), recomputed
+        # Fused requests split across chunked-prefill rounds: the rows of their later rounds
+        # (host memory), dropped with the request, when it finishes or is aborted.
+        self.pending: weakref.WeakKeyDictionary[Any, FusedRows] = weakref.WeakKeyDictionary()
+        # Fused requests whose later round had to take SGLang's forward (a mixed batch): the
+        # rest of their prompt is computed normally over their fused rows, never fused again.
+        self.interrupted: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Admission: where the last chunk ends in each prompt (None: not fusable), recomputed
         # when the set of registered chunks changes.
         self._admission: weakref.WeakKeyDictionary[Any, tuple[int, int | None]] = (
             weakref.WeakKeyDictionary()
@@ -54,11 +60,15 @@ class FusionRuntime:
 
     def will_fuse(self, req: Any) -> bool:
         """Admission's guess whether `req` will be fused; the forward-time plan decides."""
+        if req in self.pending:
+            return True
+        if req in self.interrupted:
+            return False
         generation = self.registry.generation
         cached = self._admission.get(req)
         if cached is None or cached[0] != generation:
             options = options_of(self, req, count=False)
-            first_chunk: int | None = None
+            last_chunk_end: int | None = None
             if (
                 options is not None
                 and options.enabled
@@ -66,15 +76,17 @@ class FusionRuntime:
                 and _static_fallback_reason(req) is None
             ):
                 matches = self.registry.index.find(req.origin_input_ids)
-                first_chunk = matches[0].prompt_start if matches else None
-            cached = (generation, first_chunk)
+                last_chunk_end = matches[-1].prompt_end if matches else None
+            cached = (generation, last_chunk_end)
             self._admission[req] = cached
-        first_chunk = cached[1]
-        return (
-            first_chunk is not None
-            and req.prefix_len <= first_chunk
-            and req not in self.split_requests
-        )
+        last_chunk_end = cached[1]
+        # A cached prefix is reused exactly; something is left to fuse if a chunk ends after it.
+        return last_chunk_end is not None and req.prefix_len < last_chunk_end
+
+    def drop_finished(self) -> None:
+        """Forget the kept rows of requests that finished or were aborted between rounds."""
+        for req in [req for req in self.pending if req.finished()]:
+            del self.pending[req]
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
@@ -96,10 +108,16 @@ class RequestPlan:
     segments: list[Segment] = dataclasses.field(default_factory=list)
     pinned: list[str] = dataclasses.field(default_factory=list)  # chunk ids held for the round
     fallback: str | None = None
+    # A later round of a fused request: its rows were computed in the first round.
+    continuation: FusedRows | None = None
 
     @property
     def fused(self) -> bool:
-        return self.asked and self.fallback is None and bool(self.pinned)
+        return (
+            self.asked
+            and self.fallback is None
+            and (bool(self.pinned) or self.continuation is not None)
+        )
 
     def selector(self) -> Selector:
         assert self.options is not None
@@ -125,6 +143,7 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
     """One plan per request, or None when no request of the batch asked for fusion.
 
     The batch is fused only if every plan is; otherwise the fused ones fall back too."""
+    rt.drop_finished()
     rids = list(forward_batch.rids or [])
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
     extend_lens = list(forward_batch.extend_seq_lens_cpu)
@@ -135,22 +154,8 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
         asked = options is not None and options.enabled and registration_id(req) is None
         plan = RequestPlan(req, rid, prefix_len, extend_len, asked, options)
         plans.append(plan)
-        if not asked:
-            continue
-        plan.fallback = _fallback_reason(rt, req, prefix_len, extend_len)
-        if plan.fallback is None:
-            plan.segments, plan.pinned = pinned_chunk_segments(
-                rt.registry, list(req.origin_input_ids)
-            )
-            if not plan.pinned:
-                plan.fallback = "no_chunk_matched"
-            elif prefix_len > _first_chunk_start(plan.segments):
-                # The tree holds exact KV over chunk tokens (an earlier normal prefill of a
-                # prompt that starts the same way). The executor recomputes a prompt from its
-                # start, so fusing the rest would attend to approximate copies of rows the
-                # decode then reads exact: the rest is computed normally instead, exactly.
-                plan.release(rt.registry)
-                plan.fallback = "prefix_cached"
+        if asked:
+            _plan_request(rt, plan)
     if not any(plan.asked for plan in plans):
         return None
     if not all(plan.fused for plan in plans):
@@ -161,6 +166,60 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
         logger.error("fusion: batch tokens differ from the requests' prompts; normal prefill")
     count_fallbacks(rt, plans)
     return plans
+
+
+def plan_mixed_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | None:
+    """Plans of a mixed batch (prefill rounds beside decoding requests, `--enable-mixed-chunk`),
+    which always takes SGLang's forward: the prefill rounds that asked for fusion fall back
+    (`mixed_chunk`), and a fused request part-way through its rounds is finished normally.
+    None when no prefill round in it asked for fusion."""
+    plans: list[RequestPlan] = []
+    rows = zip(
+        forward_batch.rids or [],
+        forward_batch.extend_prefix_lens_cpu,
+        forward_batch.extend_seq_lens_cpu,
+        strict=True,
+    )
+    for rid, prefix_len, extend_len in rows:
+        req = rt.requests.get(rid)
+        options = options_of(rt, req) if req is not None else None
+        asked = (
+            options is not None
+            and options.enabled
+            and registration_id(req) is None
+            and not req.output_ids  # a decoding request's prefill is behind it
+        )
+        plan = RequestPlan(req, rid, prefix_len, extend_len, asked, options)
+        plan.continuation = rt.pending.get(req) if asked else None
+        plans.append(plan)
+    if not any(plan.asked for plan in plans):
+        return None
+    fall_back(rt, [plan for plan in plans if plan.asked], "mixed_chunk")
+    count_fallbacks(rt, plans)
+    return plans
+
+
+def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
+    """Fill in one request's plan: a continuation, a fused first round, or a fallback."""
+    req = plan.req
+    rows = rt.pending.get(req)
+    if rows is not None:
+        if rows.start == plan.prefix_len:
+            plan.continuation = rows
+            return
+        # Re-prefilled from another position (retracted mid-prompt): start over.
+        del rt.pending[req]
+    plan.fallback = _fallback_reason(rt, req)
+    if plan.fallback is not None:
+        return
+    plan.segments, plan.pinned = pinned_chunk_segments(rt.registry, list(req.origin_input_ids))
+    if not plan.pinned:
+        plan.fallback = "no_chunk_matched"
+    elif plan.prefix_len >= _last_chunk_end(plan.segments):
+        # Every chunk token is in the exact cached prefix: nothing is left to fuse, and the
+        # normal prefill of the rest is exact and no slower.
+        plan.release(rt.registry)
+        plan.fallback = "prefix_cached"
 
 
 def count_fallbacks(rt: FusionRuntime, plans: list[RequestPlan]) -> None:
@@ -178,6 +237,12 @@ def fall_back(rt: FusionRuntime, plans: list[RequestPlan], reason: str) -> None:
     for plan in plans:
         plan.release(rt.registry)
         plan.fallback = reason
+        if plan.continuation is not None:
+            # Part-way through its rounds: the rest of the prompt is computed normally over
+            # the fused rows already written (it never enters the tree), and never fused again.
+            rt.pending.pop(plan.req, None)
+            rt.interrupted.add(plan.req)
+            plan.continuation = None
 
 
 def options_of(rt: FusionRuntime, req: Any, count: bool = True) -> FusionOptions | None:
@@ -193,8 +258,6 @@ def options_of(rt: FusionRuntime, req: Any, count: bool = True) -> FusionOptions
 
 def _static_fallback_reason(req: Any) -> str | None:
     """Reasons known from the request alone (admission and forward agree on them)."""
-    if getattr(req, "return_logprob", False):
-        return "logprobs_requested"
     if getattr(req, "return_hidden_states", False):
         return "hidden_states_requested"
     if getattr(req, "multimodal_inputs", None) is not None:
@@ -205,35 +268,32 @@ def _static_fallback_reason(req: Any) -> str | None:
     return None
 
 
-def _fallback_reason(rt: FusionRuntime, req: Any, prefix_len: int, extend_len: int) -> str | None:
-    reason = _static_fallback_reason(req)
-    if reason is not None:
-        return reason
-    if req in rt.split_requests or prefix_len + extend_len != len(req.origin_input_ids):
-        # Rounds before the last computed part of the prompt normally: fusing only the tail
-        # would mix exact and fused KV without the selector ever seeing the whole prompt.
-        rt.split_requests.add(req)
-        return "split_prefill"
-    return None
+def _fallback_reason(rt: FusionRuntime, req: Any) -> str | None:
+    if req in rt.interrupted:
+        return "mixed_batch"
+    return _static_fallback_reason(req)
 
 
-def _first_chunk_start(segments: list[Segment]) -> int:
-    """Prompt position of the first chunk token."""
-    position = 0
+def _last_chunk_end(segments: list[Segment]) -> int:
+    """Prompt position just after the last chunk token."""
+    position = end = 0
     for segment in segments:
         if isinstance(segment, ChunkSegment):
-            break
-        position += len(segment.token_ids)
-    return position
+            position += segment.chunk.num_tokens
+            end = position
+        else:
+            position += len(segment.token_ids)
+    return end
 
 
 def _extend_tokens_agree(forward_batch: Any, plans: list[RequestPlan]) -> bool:
-    """The batch computes exactly each prompt's tail after its cached prefix (cheap check that
-    guards the KV writes against any scheduler state this module does not know about)."""
+    """The batch computes exactly each prompt's next round after its cached prefix (cheap check
+    that guards the KV writes against any scheduler state this module does not know about)."""
     batch_ids = forward_batch.input_ids.tolist()
     offset = 0
     for plan in plans:
-        tail = list(plan.req.origin_input_ids[plan.prefix_len :])
+        end = plan.prefix_len + plan.extend_len
+        tail = list(plan.req.origin_input_ids[plan.prefix_len : end])
         if batch_ids[offset : offset + plan.extend_len] != tail:
             return False
         offset += plan.extend_len
@@ -260,7 +320,7 @@ def pinned_chunk_segments(
         pinned.append(match.chunk_id)
         if match.prompt_start > cursor:
             segments.append(TextSegment(tuple(tokens[cursor : match.prompt_start])))
-        span = _slice(chunk, match.chunk_start, match.chunk_end)
+        span = slice_chunk(chunk, match.chunk_start, match.chunk_end)
         if metrics is not None:
             metrics.chunk_hit(span.nbytes)
         segments.append(ChunkSegment(span))
@@ -268,15 +328,3 @@ def pinned_chunk_segments(
     if cursor < len(tokens):
         segments.append(TextSegment(tuple(tokens[cursor:])))
     return segments, pinned
-
-
-def _slice(chunk: PrecomputedChunk, start: int, end: int) -> PrecomputedChunk:
-    if (start, end) == (0, chunk.num_tokens):
-        return chunk
-    return PrecomputedChunk(
-        token_ids=chunk.token_ids[start:end],
-        keys=tuple(k[start:end] for k in chunk.keys),
-        values=tuple(v[start:end] for v in chunk.values),
-        freq_scores=chunk.freq_scores[:, start:end],
-        alpha=chunk.alpha,
-    )

@@ -1,0 +1,184 @@
+"""The forward of an extend batch whose every request is fused, in place of the model's.
+
+First rounds run through the fusion executor together (`fused_prefill_batch`), each over the
+exact KV that SGLang's prefix tree matched (read from the KV pool, never recomputed). The rows of
+this round go to the request's `out_cache_loc` slots; the rows of its later chunked-prefill
+rounds are kept (`FusedRows`) and written then, without computing anything. The logits, and
+input/output logprobs when asked for, come from the model's own `LogitsProcessor` over the
+final-normed hidden states of the positions it reads, so the response has SGLang's format.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from sglang_hicache_ext.fusion.executor import FusionJob, FusionResult, fused_prefill_batch
+from sglang_hicache_ext.fusion.request_state import KVCache
+from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows, RoundRows
+from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY
+from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime, RequestPlan
+from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+
+
+def run_fused_batch(
+    rt: FusionRuntime,
+    adapter: SGLangModelAdapter,
+    runner: Any,
+    forward_batch: Any,
+    plans: list[RequestPlan],
+) -> Any:
+    from sglang.srt.model_executor.model_runner import ModelRunnerOutput
+
+    firsts = [(index, plan) for index, plan in enumerate(plans) if plan.continuation is None]
+    began = time.perf_counter()
+    jobs = [_job(adapter, runner, forward_batch, index, plan) for index, plan in firsts]
+    results = fused_prefill_batch(adapter, jobs)
+    _synchronize(adapter.device)
+    prefill_s = time.perf_counter() - began
+    for (_, plan), result in zip(firsts, results, strict=True):
+        plan.continuation = _rows_of(adapter, plan, result)
+        _count_fused(rt, plan, plan.continuation.info, prefill_s)
+    if firsts:
+        # Requests whose prefills were computed together (one matrix per layer).
+        rt.counters["fused_batches"] += 1
+        rt.counters["largest_fused_batch"] = max(rt.counters["largest_fused_batch"], len(firsts))
+
+    kv_pool = runner.token_to_kv_pool
+    out_cache_loc = forward_batch.out_cache_loc
+    hidden = torch.zeros(
+        (int(out_cache_loc.numel()), adapter.hidden_size),
+        dtype=adapter.dtype,
+        device=adapter.device,
+    )
+    infos: list[dict[str, Any] | None] = []
+    offset = 0
+    for plan in plans:
+        rows = plan.continuation
+        assert rows is not None
+        loc = out_cache_loc[offset : offset + plan.extend_len]
+        if loc.numel() != plan.extend_len:
+            raise RuntimeError(
+                f"fusion: request {plan.rid} has {loc.numel()} KV slots for a round of "
+                f"{plan.extend_len} tokens"
+            )
+        round_rows = rows.take(plan.prefix_len, plan.extend_len)
+        _write(kv_pool, adapter, loc, round_rows)
+        if round_rows.hidden is not None:
+            start = offset + round_rows.hidden_offset
+            hidden[start : start + round_rows.hidden.shape[0]] = round_rows.hidden.to(
+                device=hidden.device, dtype=hidden.dtype
+            )
+        if rows.rounds > 1:
+            rt.counters["fused_continuation_rounds"] += 1
+        if rows.done:
+            rt.pending.pop(plan.req, None)
+        else:
+            rows.keep_on_host()
+            rt.pending[plan.req] = rows
+        infos.append({**rows.info, "prefill_rounds": rows.rounds})
+        offset += plan.extend_len
+    model = runner.model
+    output = model.logits_processor(forward_batch.input_ids, hidden, model.lm_head, forward_batch)
+    output.customized_info = {**(output.customized_info or {}), META_KEY: infos}
+    return ModelRunnerOutput(logits_output=output, can_run_graph=False)
+
+
+def _job(
+    adapter: SGLangModelAdapter, runner: Any, forward_batch: Any, index: int, plan: RequestPlan
+) -> FusionJob:
+    req = plan.req
+    num_tokens = len(req.origin_input_ids)
+    # The positions whose logits SGLang reads: the last token, and with input logprobs every
+    # token from the logprob start on (the tree match never reaches past that start).
+    outputs_from = num_tokens - 1
+    if getattr(req, "return_logprob", False) and req.logprob_start_len >= 0:
+        outputs_from = min(max(req.logprob_start_len, plan.prefix_len), num_tokens - 1)
+    return FusionJob(
+        plan.segments,
+        plan.selector(),
+        exact_prefix=_exact_prefix(adapter, runner, forward_batch, index, plan.prefix_len),
+        outputs_from=outputs_from,
+        return_kv=True,
+    )
+
+
+def _exact_prefix(
+    adapter: SGLangModelAdapter, runner: Any, forward_batch: Any, index: int, prefix_len: int
+) -> KVCache | None:
+    """The KV of the prefix SGLang matched in its tree: rows 0..prefix_len-1 of the request's
+    row in req_to_token, read from the KV pool (exact, as a normal prefill wrote them)."""
+    if prefix_len == 0:
+        return None
+    row = forward_batch.req_pool_indices[index]
+    slots = runner.req_to_token_pool.req_to_token[row, :prefix_len].to(torch.long)
+    kv_pool = runner.token_to_kv_pool
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + adapter.shape.num_layers)
+    return KVCache(
+        tuple(kv_pool.get_key_buffer(layer)[slots] for layer in layers),
+        tuple(kv_pool.get_value_buffer(layer)[slots] for layer in layers),
+    )
+
+
+def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResult) -> FusedRows:
+    """Everything the executor produced after the exact prefix, ready to hand out by round."""
+    assert result.kv is not None and result.hidden is not None and plan.options is not None
+    prefix_len = result.prefix_tokens
+    reused = result.num_chunk_tokens - int(result.selected.numel())
+    info = {
+        "fused": True,
+        "selector": plan.options.selector,
+        "recompute_ratio": plan.options.recompute_ratio,
+        "sink_tokens": plan.options.sink_tokens,
+        "chunks_hit": len(plan.pinned),
+        "chunk_tokens": result.num_chunk_tokens,
+        "prefix_tokens": prefix_len,
+        "tokens_reused": reused,
+        "tokens_recomputed": result.num_tokens - prefix_len - reused,
+    }
+    # The logits processor expects the model's output: final-normed hidden states.
+    hidden = adapter.final_norm(result.hidden)
+    plan.req.skip_radix_cache_insert = True  # fused KV never enters the prefix tree
+    return FusedRows(
+        start=prefix_len,
+        end=result.num_tokens,
+        keys=[k[prefix_len:] for k in result.kv.keys],
+        values=[v[prefix_len:] for v in result.kv.values],
+        hidden=hidden,
+        hidden_start=result.num_tokens - int(hidden.shape[0]),
+        info=info,
+    )
+
+
+def _write(kv_pool: Any, adapter: SGLangModelAdapter, loc: torch.Tensor, rows: RoundRows) -> None:
+    for layer in range(adapter.shape.num_layers):
+        layer_id = kv_pool.start_layer + layer
+        kv_pool.get_key_buffer(layer_id)[loc] = rows.keys[layer].to(loc.device, kv_pool.dtype)
+        kv_pool.get_value_buffer(layer_id)[loc] = rows.values[layer].to(loc.device, kv_pool.dtype)
+
+
+def _count_fused(
+    rt: FusionRuntime, plan: RequestPlan, info: dict[str, Any], seconds: float
+) -> None:
+    rt.counters["fused_requests"] += 1
+    rt.counters["tokens_reused"] += info["tokens_reused"]
+    rt.counters["prefix_tokens_reused"] += info["prefix_tokens"]
+    metrics = extension_metrics()
+    if metrics is not None and plan.options is not None:
+        options = plan.options
+        metrics.fused_request(
+            options.selector,
+            options.recompute_ratio,
+            info["tokens_reused"],
+            info["tokens_recomputed"],
+            seconds,
+        )
+
+
+def _synchronize(device: torch.device) -> None:
+    # The time of the work, not of queueing it.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
