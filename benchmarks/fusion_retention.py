@@ -188,6 +188,22 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
         )
 
 
+def write_summary(out: Path, model: str, rows: list[dict[str, Any]]) -> None:
+    """Summarise over the questions that have every method; print the table."""
+    methods = list(dict.fromkeys(m for row in rows for m in row["methods"]))
+    summary = summarise(rows, methods)
+    report = {
+        "model": MODELS[model],
+        "dtype": "float32",
+        "answer_tokens": ANSWER_TOKENS,
+        "default_selector": DEFAULT_SELECTOR,
+        "summary": summary,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print_table(summary)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen")
@@ -196,10 +212,17 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--summary-only", action="store_true", help="summarise the file's rows, measure nothing"
+    )
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m != "full"]
     selectors = {m: parse_method(m) for m in methods}
     out = args.out or RESULTS / f"fusion_retention_{args.model}.json"
+    if args.summary_only:
+        rows = json.loads(out.read_text())["rows"]
+        write_summary(out, args.model, rows)
+        return 0
     torch.set_num_threads(args.threads)
     tokenizer, adapter = load_model(args.model, torch.float32)
     stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
@@ -234,18 +257,7 @@ def main() -> int:
             row["methods"][method] = measure(full, run, tokenizer, example.answer, full_text)
         out.write_text(json.dumps({"model": MODELS[args.model], "rows": rows}, indent=1) + "\n")
         tqdm.write(f"{example.qid}: {time.perf_counter() - began:.0f}s")
-    all_methods = list(dict.fromkeys(m for row in rows for m in row["methods"]))
-    summary = summarise(rows, all_methods)
-    report = {
-        "model": MODELS[args.model],
-        "dtype": "float32",
-        "answer_tokens": ANSWER_TOKENS,
-        "default_selector": DEFAULT_SELECTOR,
-        "summary": summary,
-        "rows": rows,
-    }
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print_table(summary)
+    write_summary(out, args.model, rows)
     return 0
 
 

@@ -2,6 +2,9 @@
 
 - `fusion_quality_vs_ttft.png` (docs/fusion-sglang.md), from fusion_quality.json: answer quality
   kept against the TTFT paid, per selector and recompute ratio, both axes from that one run;
+- `fusion_retention_vs_ttft.png` (docs/fusion-quality.md), from fusion_retention_<model>.json:
+  F1 retention (95 % bootstrap interval) against the prefill-time ratio, a line per selector
+  over its recompute ratios, a panel per model;
 - `ttl_hit_ratio_vs_budget.png` (docs/ttl.md), from ttl_replay.json and ttl_budget_sweep.json
   (the same benchmark at more budgets): disk hit ratio against disk bytes per TTL policy;
 - `pareto_<N>/frontier.png` (docs/simulator.md), from each `pareto_<N>/frontier.json`: drawn
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only
 
@@ -107,6 +111,53 @@ def plot_fusion_quality(results: Path, out: Path) -> Path:
         f"{data['documents_per_prompt']} shuffled documents, {data['model']} "
         "(benchmarks/results/fusion_quality.json)"
     )
+    return _save(figure, title, out)
+
+
+def plot_fusion_retention(results: Path, out: Path) -> Path | None:
+    files = sorted(results.glob("fusion_retention_*.json"))
+    if not files:
+        return None
+    figure, panels = plt.subplots(1, len(files), figsize=(5.6 * len(files), 4.4), dpi=DPI)
+    for axes, path in zip(np.atleast_1d(panels), files, strict=True):
+        data = _load(path)
+        summary = data["summary"]
+        lines: dict[str, list[str]] = {}
+        for method in summary:
+            if "@" in method:
+                lines.setdefault(method.split("@")[0], []).append(method)
+        for index, (selector, methods) in enumerate(sorted(lines.items())):
+            methods.sort(key=lambda m: float(m.split("@")[1]))
+            xs = [summary[m]["prefill_ratio"] for m in methods]
+            ys = [summary[m]["retention"] for m in methods]
+            low = [y - summary[m]["retention_ci95"][0] for m, y in zip(methods, ys, strict=True)]
+            high = [summary[m]["retention_ci95"][1] - y for m, y in zip(methods, ys, strict=True)]
+            axes.errorbar(
+                xs,
+                ys,
+                yerr=[low, high],
+                fmt="-o",
+                markersize=4,
+                capsize=3,
+                color=f"C{index}",
+                label=selector,
+            )
+        reuse = summary["reuse"]
+        axes.plot(
+            reuse["prefill_ratio"], reuse["retention"], "kX", markersize=8, label="reuse (r=0)"
+        )
+        axes.plot(
+            1.0, 1.0, "k*", markersize=11, label=f"full prefill (F1 {summary['full']['f1']:.3f})"
+        )
+        axes.axhline(0.95, color="black", linewidth=0.6, linestyle=":")
+        axes.set_xlabel("prefill time, fused ÷ full (median over questions, in process)")
+        axes.set_ylabel("F1 ÷ full prefill's F1 (95 % bootstrap interval)")
+        axes.set_title(
+            f"{data['model']}, {summary['full']['questions']} HotpotQA questions", fontsize=9
+        )
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7, loc="lower right")
+    title = "Answer F1 kept against prefill time paid (benchmarks/fusion_retention.py)"
     return _save(figure, title, out)
 
 
@@ -201,13 +252,15 @@ def main() -> int:
     written = [
         plot_fusion_quality(results, results / "fusion_quality_vs_ttft.png"),
         plot_ttl_budgets(results, results / "ttl_hit_ratio_vs_budget.png"),
+        plot_fusion_retention(results, results / "fusion_retention_vs_ttft.png"),
         *(
             replot_frontier(json_file.parent)
             for json_file in sorted(results.glob(f"*/{JSON_NAME}"))
         ),
     ]
     for path in written:
-        print(f"wrote {path}")
+        if path is not None:
+            print(f"wrote {path}")
     return 0
 
 
