@@ -169,22 +169,24 @@ def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[
 
 
 def print_table(summary: dict[str, dict[str, Any]]) -> None:
+    """The summary as the markdown table the docs show."""
     print(
-        f"{'method':<22}{'n':>5}{'F1':>7}{'retention [95% CI]':>24}{'agree':>7}{'KL':>8}"
-        f"{'KL gap [95% CI]':>22}{'time':>7}"
+        "| method | questions | F1 | F1 retention [95 % CI] | agrees with full | "
+        "teacher-forced KL | KL gap closed [95 % CI] | prefill time ÷ full |"
     )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for method, v in summary.items():
         ci = v.get("retention_ci95", [1.0, 1.0])
-        gap = v.get("kl_gap_closed")
-        gap_text = (
-            f"{gap:.2f} [{v['kl_gap_closed_ci95'][0]:.2f},{v['kl_gap_closed_ci95'][1]:.2f}]"
-            if gap is not None
-            else ""
-        )
+        retention = f"{v['retention']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+        gap = ""
+        if "kl_gap_closed" in v:
+            low, high = v["kl_gap_closed_ci95"]
+            gap = f"{v['kl_gap_closed']:.2f} [{low:.2f}, {high:.2f}]"
+        kl = f"{v['kl']:.4f}" if "kl" in v else "0"
+        time_ratio = f"{v.get('prefill_ratio', 1.0):.2f}"
         print(
-            f"{method:<22}{v['questions']:>5}{v['f1']:>7.3f}"
-            f"{v['retention']:>9.3f} [{ci[0]:.3f},{ci[1]:.3f}]{v['agree']:>7.2f}"
-            f"{v.get('kl', 0.0):>8.4f}{gap_text:>22}{v.get('prefill_ratio', 1.0):>7.2f}"
+            f"| `{method}` | {v['questions']} | {v['f1']:.3f} | {retention} | {v['agree']:.2f} "
+            f"| {kl} | {gap} | {time_ratio} |"
         )
 
 
