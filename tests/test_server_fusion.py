@@ -196,9 +196,16 @@ def test_concurrent_fused_requests_match_sequential(hicache_server, rag_prompts)
             fusion_recompute_ratio=options[selector],
         )["output_ids"]
 
+    def fused_batches() -> int:
+        info = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
+        return info["hicache_ext"]["fusion"]["fused_batches"]
+
     sequential = [run(job) for job in jobs]
+    before = fused_batches()
     with ThreadPoolExecutor(max_workers=16) as pool:
         concurrent = list(pool.map(run, jobs))
+    # Requests of one batch were computed together (fused_prefill_batch), with the same outputs.
+    assert fused_batches() - before < len(jobs)
     assert concurrent == sequential
 
 

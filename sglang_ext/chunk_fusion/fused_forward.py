@@ -10,6 +10,7 @@ final-normed hidden states of the positions it reads, so the response has SGLang
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModel
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime, RequestPlan
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+
+logger = logging.getLogger(__name__)
 
 
 def run_fused_batch(
@@ -43,6 +46,12 @@ def run_fused_batch(
         plan.continuation = _rows_of(adapter, plan, result)
         _count_fused(rt, plan, plan.continuation.info, prefill_s)
     if firsts:
+        logger.info(
+            "fused prefill: %d request(s), %d prompt tokens, %.2f s",
+            len(firsts),
+            sum(result.num_tokens for result in results),
+            prefill_s,
+        )
         # Requests whose prefills were computed together (one matrix per layer).
         rt.counters["fused_batches"] += 1
         rt.counters["largest_fused_batch"] = max(rt.counters["largest_fused_batch"], len(firsts))
