@@ -13,6 +13,8 @@ import functools
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_hicache_ext.fusion.scattered_attention import ascending, query_block_attention
+
 
 def position_causal_attention(
     query: torch.Tensor,
@@ -56,6 +58,8 @@ def position_causal_attention(
         out = scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     elif new_tokens_last and _cpu_flash_with_lse is not None and q.device.type == "cpu":
         out = _prefix_extend_attention(q, k, v, prefix_len, scale)
+    elif keys_from_zero and q.device.type == "cpu" and ascending(query_positions):
+        out = query_block_attention(q, k, v, query_positions, key_positions, scale, gqa)
     else:
         mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
         out = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,145 @@
+"""Scattered queries attended block by block over only the keys each block can see.
+
+The fused prefill's queries sit at scattered, ascending positions; `position_causal_attention`
+splits them into blocks and gives each block the keys up to its last query's position, with the
+mask built once per pair of position tensors. These tests pin that this changes nothing but the
+work: the output equals a float64 dense softmax and the one-call masked SDPA it replaces, across
+block edges, with MHA and GQA, and a kept mask is never used for other positions.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang_hicache_ext.fusion import attention, scattered_attention
+from sglang_hicache_ext.fusion.attention import position_causal_attention
+
+
+def _reference(q, k, v, q_pos, k_pos, scale):
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).double()
+    v = v.repeat_interleave(group, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    scores = scores.masked_fill(~(k_pos[None, None, :] <= q_pos[None, :, None]), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+
+
+def _one_masked_call(q, k, v, q_pos, k_pos, scale):
+    """What the scattered path computed before blocks: every query over every key."""
+    mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    out = scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _scattered(num_keys: int, count: int, seed: int, late: bool = False) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.linspace(0.1, 1.0, num_keys) ** (4 if late else 0)
+    picked = torch.multinomial(weights, count, replacement=False, generator=generator)
+    return torch.sort(picked).values
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("late", [False, True], ids=["spread", "late"])
+def test_blocks_equal_reference_and_one_masked_call(
+    heads: tuple[int, int], late: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    blocked = scattered_attention.query_block_attention
+    monkeypatch.setattr(
+        attention, "query_block_attention", lambda *a: calls.append(1) or blocked(*a)
+    )
+    torch.manual_seed(0)
+    num_keys, count = (
+        900,
+        3 * scattered_attention.QUERY_BLOCK + 17,
+    )  # several blocks and a short last one
+    q_pos = _scattered(num_keys, count, seed=1, late=late)
+    hq, hkv = heads
+    q, k, v = (
+        torch.randn(count, hq, 32),
+        torch.randn(num_keys, hkv, 32),
+        torch.randn(num_keys, hkv, 32),
+    )
+    k_pos = torch.arange(num_keys)
+    scale = 1 / math.sqrt(32)
+    out = position_causal_attention(q, k, v, q_pos, k_pos, scale)
+    torch.testing.assert_close(out, _reference(q, k, v, q_pos, k_pos, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, _one_masked_call(q, k, v, q_pos, k_pos, scale), atol=1e-6, rtol=1e-6
+    )
+    assert calls, "ascending scattered queries take the block path"
+
+
+def test_first_query_at_position_zero_and_block_edges() -> None:
+    """Position 0 sees one key; a block ending at the last key sees all of them."""
+    torch.manual_seed(2)
+    num_keys = 2 * scattered_attention.QUERY_BLOCK + 40
+    q_pos = torch.cat(
+        (
+            torch.tensor([0, 1]),
+            _scattered(num_keys - 3, scattered_attention.QUERY_BLOCK, 3) + 2,
+            torch.tensor([num_keys - 1]),
+        )
+    )
+    q, k, v = (
+        torch.randn(len(q_pos), 6, 16),
+        torch.randn(num_keys, 2, 16),
+        torch.randn(num_keys, 2, 16),
+    )
+    k_pos = torch.arange(num_keys)
+    out = position_causal_attention(q, k, v, q_pos, k_pos, 0.25)
+    torch.testing.assert_close(out, _reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_unsorted_queries_keep_the_one_call_path() -> None:
+    """Blocks assume ascending positions; any other order is still answered exactly."""
+    torch.manual_seed(4)
+    num_keys = 400
+    q_pos = _scattered(num_keys, 200, 5)[torch.randperm(200)]
+    q, k, v = torch.randn(200, 4, 16), torch.randn(num_keys, 4, 16), torch.randn(num_keys, 4, 16)
+    k_pos = torch.arange(num_keys)
+    out = position_causal_attention(q, k, v, q_pos, k_pos, 0.25)
+    torch.testing.assert_close(out, _reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_kept_mask_follows_the_positions() -> None:
+    """Layer after layer over the same position tensors the mask is built once; new positions,
+    or the same tensor changed in place, get their own mask."""
+    torch.manual_seed(6)
+    num_keys = 500
+    q_pos, k_pos = _scattered(num_keys, 150, 7), torch.arange(num_keys)
+
+    def check(q_pos: torch.Tensor) -> None:
+        q, k, v = (
+            torch.randn(150, 6, 16),
+            torch.randn(num_keys, 2, 16),
+            torch.randn(num_keys, 2, 16),
+        )
+        out = position_causal_attention(q, k, v, q_pos, k_pos, 0.25)
+        torch.testing.assert_close(
+            out, _reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5
+        )
+
+    check(q_pos)
+    kept = scattered_attention._mask_cache.get(q_pos, k_pos, torch.float32)
+    check(q_pos)  # the next layer: same positions, new activations
+    assert scattered_attention._mask_cache.get(q_pos, k_pos, torch.float32) is kept
+    check(_scattered(num_keys, 150, 8))
+    q_pos[:75] = _scattered(num_keys // 2, 75, 9)  # changed in place
+    check(q_pos)
+    assert scattered_attention._mask_cache.get(q_pos, k_pos, torch.float32) is not kept
+    del q_pos
+    gc.collect()
+    assert scattered_attention._mask_cache._entry is None, "the mask goes with its positions"
