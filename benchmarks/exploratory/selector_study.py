@@ -11,46 +11,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
 
 import torch
 
-from benchmarks.fusion_quality import chatml_prompt
+from benchmarks.fusion_retention import question_segments
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_answer
 from sglang_hicache_ext.evaluation.fused_answers import run_method, teacher_forced_kl
-from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, model_dir
-from sglang_hicache_ext.fusion import chunk_hash, make_selector, precompute_chunk
+from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.executor import fused_prefill
-from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import (
     A3Selector,
     CacheBlendSelector,
     SelectionContext,
     Selector,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 
 MODELS = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}
 ANSWER_TOKENS = 24
-
-
-def segments_for(example: HotpotQAExample, tokenizer, adapter) -> list[Segment]:
-    paragraphs = list(example.documents)
-    shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
-    ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
-    registry = ChunkRegistry(2**31, adapter.rope_spec)
-    for paragraph in paragraphs:
-        tokens = tokenizer.encode(paragraph, add_special_tokens=False)
-        registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
-        registry.index.add(chunk_hash(tokens), tokens)
-    return pinned_chunk_segments(registry, ids)[0]
 
 
 def question_error(ctx: SelectionContext, key_term: bool = True) -> torch.Tensor:
@@ -189,7 +173,7 @@ def main() -> int:
     rows = []
     for example in load_hotpotqa(args.questions, seed=2026):
         began = time.perf_counter()
-        segments = segments_for(example, tokenizer, adapter)
+        segments = question_segments(example, tokenizer, adapter)
         full = run_method(adapter, segments, make_selector("full", 1.0), stop, ANSWER_TOKENS)
         full_text = tokenizer.decode(full.answer, skip_special_tokens=True).strip()
         row = {
