@@ -1,0 +1,332 @@
+"""Where a fused prefill's time goes, stage by stage, next to the normal prefill's (in process).
+
+SmolLM2-135M-Instruct fp32 on CPU through transformers' modules (`HFCausalLMAdapter`), the
+prompts of `benchmarks/fusion_speed.py` (>= 6 shuffled HotpotQA paragraphs, >= 3K tokens, every
+paragraph a registered chunk). A request runs what the server's scheduler runs for it: match the
+prompt against the chunk index and pin the chunks, the executor's prefill, write the K/V into a
+token pool at scattered slots (as into SGLang's pool). The executor's and the adapter's functions
+are wrapped with timers (nothing in them changes), each stage charged its exclusive time:
+
+  match      chunk index lookup of the prompt (`ChunkIndex.find`)
+  load       pinning, gathering and re-rotating stored chunk KV (`executor._load_reused`)
+  selection  the selector's scoring and top-k (`Selector.select`)
+  recompute  embedding, norms, q/k/v, RoPE of computed tokens, o_proj, MLP, LM head
+  attention  the attention op (`executor.attend`)
+  overhead   KV assembly (`executor._assemble`), the pool write, and the rest (Python, layout)
+
+The normal prefill is the executor over the whole prompt as text (every token computed, causal
+attention), which computes what the server's normal prefill computes. Modes run interleaved per
+repeat, so each ratio is measured back to back; medians over repeats, then over prompts.
+`--executor FILE` measures a patched copy of fusion/executor.py instead of the installed one.
+
+    python -m benchmarks.fusion_breakdown [--prompts 5] [--repeats 5] [--executor /tmp/x.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.breakdown_report import print_table, summarize
+from benchmarks.exploratory.in_process import load_smollm2
+from benchmarks.fusion_speed import build_prompts
+from benchmarks.prefill_flops import DecoderShape, PrefillWork, fused_work, normal_work
+from benchmarks.smollm2_server import MODEL, RESULTS
+from benchmarks.stage_timer import StageTimer
+from sglang_hicache_ext.fusion import adapter as adapter_module
+from sglang_hicache_ext.fusion import chunk_hash, precompute_chunk
+from sglang_hicache_ext.fusion import executor as installed_executor
+from sglang_hicache_ext.fusion.request import Segment, TextSegment, build_layout
+from sglang_hicache_ext.fusion.selectors import FullSelector, Selector, make_selector
+from sglang_hicache_ext.radix.chunk_index import ChunkIndex
+from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.tiers.chunk_store import ChunkStore
+
+ADAPTER_STEPS = ("embed", "attention_inputs", "attention_output", "logits", "rotate")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def module_from_file(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def module_at_revision(revision: str, path: str, folder: Path) -> ModuleType:
+    """`path` as committed at `revision`, imported under a private name."""
+    source = subprocess.run(
+        ["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout
+    target = folder / path.replace("/", "_")
+    target.write_text(source)
+    return module_from_file(f"base_{target.stem}", target)
+
+
+@dataclass
+class Variant:
+    """The code a mode runs: an executor module and attributes replaced around each run."""
+
+    executor: ModuleType
+    patches: list[tuple[Any, str, Any]] = field(default_factory=list)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self.patches]
+        for owner, name, value in self.patches:
+            setattr(owner, name, value)
+        try:
+            yield
+        finally:
+            for owner, name, value in saved:
+                setattr(owner, name, value)
+
+
+def build_variants(
+    base: str | None, executor_file: Path | None, folder: Path
+) -> dict[str, Variant]:
+    variants = {"": Variant(installed_executor)}
+    if base is not None:
+        attention = module_at_revision(base, "fusion/attention.py", folder)
+        rope = module_at_revision(base, "fusion/rope.py", folder)
+        variants["base"] = Variant(
+            installed_executor,
+            [
+                (installed_executor, "attend", attention.position_causal_attention),
+                (adapter_module, "apply_rope", rope.apply_rope),
+            ],
+        )
+    if executor_file is not None:
+        variants["patched"] = Variant(module_from_file("patched_executor", executor_file))
+    return variants
+
+
+class Request:
+    """One prompt with its chunks registered, and the token pool its K/V is written into."""
+
+    def __init__(self, adapter: Any, tokenizer: Any, docs: list[str], prompt: str) -> None:
+        self.ids: list[int] = tokenizer.encode(prompt)
+        self.registry = ChunkRegistry(2**31, adapter.rope_spec)
+        for doc in docs:
+            tokens = tokenizer.encode(doc, add_special_tokens=False)
+            self.registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
+            self.registry.index.add(chunk_hash(tokens), tokens)
+        shape, n = adapter.shape, len(self.ids)
+        slots = n + 256
+        self.pool_k = [
+            torch.zeros(slots, shape.num_kv_heads, shape.head_dim) for _ in range(shape.num_layers)
+        ]
+        self.pool_v = [torch.zeros_like(k) for k in self.pool_k]
+        self.loc = torch.randperm(slots, generator=torch.Generator().manual_seed(n))[:n]
+
+
+def write_pool(request: Request, kv: Any) -> None:
+    """What the server does with the fused K/V: every layer into the pool's slots."""
+    for layer, (keys, values) in enumerate(zip(kv.keys, kv.values, strict=True)):
+        request.pool_k[layer][request.loc] = keys
+        request.pool_v[layer][request.loc] = values
+
+
+def run_once(
+    executor: ModuleType,
+    adapter: Any,
+    request: Request,
+    normal: bool,
+    selector: Selector,
+    clock: Any = time.perf_counter,
+) -> tuple[float, Any]:
+    """One prefill as the server runs it; returns its seconds on `clock` and the result."""
+    began = clock()
+    pinned: list[str] = []
+    if normal:
+        segments: list[Segment] = [TextSegment(tuple(request.ids))]
+    else:
+        segments, pinned = pinned_chunk_segments(request.registry, request.ids)
+    try:
+        result = executor.fused_prefill(adapter, segments, selector, return_kv=True)
+        write_pool(request, result.kv)
+    finally:
+        for chunk_id in pinned:
+            request.registry.store.unpin(chunk_id)
+    return clock() - began, result
+
+
+def instrument(timer: StageTimer, executor: ModuleType, adapter: Any) -> None:
+    timer.wrap(ChunkIndex, "find", "match")
+    timer.wrap(ChunkStore, "pin", "load")
+    # A patched executor may load and assemble in one function (`_assemble_layer`).
+    for name, stage in (
+        ("_load_reused", "load"),
+        ("_assemble_layer", "load"),
+        ("_assemble", "assemble"),
+    ):
+        if hasattr(executor, name):
+            timer.wrap(executor, name, stage)
+    timer.wrap(executor, "attend", "attention")
+    timer.wrap(sys.modules[__name__], "write_pool", "pool_write")
+    for step in ADAPTER_STEPS:
+        # RoPE inside a load belongs to the load.
+        timer.wrap(adapter, step, "recompute", inherits=step == "rotate")
+
+
+def measure(
+    variant: Variant, adapter: Any, request: Request, mode: str, ratio: float, timer: StageTimer
+) -> tuple[dict[str, float], Any]:
+    """One timed run of `mode` (a selector name, or `normal`): seconds per stage and total."""
+    selector_name = mode.split("@")[0]
+    normal = selector_name == "normal"
+    selector = FullSelector() if normal else make_selector(selector_name, ratio)
+    selector.select = timer.timed(selector.select, "selection")  # type: ignore[method-assign]
+    with variant.applied():
+        instrument(timer, variant.executor, adapter)
+        try:
+            timer.reset()
+            total, result = run_once(
+                variant.executor, adapter, request, normal, selector, timer.clock
+            )
+        finally:
+            timer.restore()
+    row = {"total": total, **timer.seconds}
+    row["overhead_other"] = total - sum(timer.seconds.values())
+    return row, result
+
+
+def measure_prompt(
+    variants: dict[str, Variant],
+    adapter: Any,
+    request: Request,
+    modes: list[str],
+    ratio: float,
+    repeats: int,
+    timer: StageTimer,
+) -> dict[str, dict[str, Any]]:
+    samples: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    results: dict[str, Any] = {}
+    for _ in range(repeats):
+        for mode in modes:
+            variant = variants[mode.partition("@")[2]]
+            row, results[mode] = measure(variant, adapter, request, mode, ratio, timer)
+            samples[mode].append(row)
+    out: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        keys = sorted({key for row in samples[mode] for key in row})
+        out[mode] = {
+            "median_s": {
+                k: statistics.median(row.get(k, 0.0) for row in samples[mode]) for k in keys
+            },
+            "totals_s": [row["total"] for row in samples[mode]],
+            "work": work_of(adapter, request, mode, results[mode]).__dict__,
+            # What the prefill must compute: past the last layer only the last row is read.
+            "work_needed": work_of(adapter, request, mode, results[mode], 1).__dict__,
+        }
+    return out
+
+
+def work_of(
+    adapter: Any, request: Request, mode: str, result: Any, last_layer_outputs: int | None = None
+) -> PrefillWork:
+    shape = DecoderShape.from_config(adapter.model.config)
+    n = len(request.ids)
+    name = mode.split("@")[0]
+    if name == "normal":
+        return normal_work(shape, n)
+    segments, pinned = pinned_chunk_segments(request.registry, request.ids)
+    for chunk_id in pinned:
+        request.registry.store.unpin(chunk_id)
+    layout = build_layout(segments)
+    active = ~layout.is_chunk
+    active[-1] = True
+    active[result.selected] = True
+    selector = make_selector(name, 0.5)
+    question = int(layout.is_question.sum()) if name == "a3" else 0
+    return fused_work(
+        shape,
+        n,
+        torch.nonzero(active).flatten(),
+        selector.check_layer,
+        question,
+        last_layer_outputs,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="runs per prompt and mode")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--modes", default="normal,a3,epic,reuse")
+    parser.add_argument("--base", default=None, help="git revision the @base modes run")
+    parser.add_argument("--executor", type=Path, default=None, help="what @patched modes run")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: CPU time of the one torch thread (needs --threads 1), blind to other jobs",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "fusion_breakdown.json")
+    args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu counts the calling thread only: use it with --threads 1")
+    modes = args.modes.split(",")
+    if modes[0] != "normal":
+        raise SystemExit("--modes must start with normal (the ratios' denominator)")
+    variants = build_variants(args.base, args.executor, Path(tempfile.mkdtemp(prefix="breakdown-")))
+    tokenizer, adapter = load_smollm2(args.threads)
+    prompts = build_prompts(args.prompts, 6, 3000, tokenizer)
+    timer = StageTimer(time.thread_time if args.clock == "cpu" else time.perf_counter)
+    per_prompt = []
+    load_before = os.getloadavg()
+    with torch.inference_mode():
+        requests = [Request(adapter, tokenizer, docs, prompt) for docs, prompt in prompts]
+        measure_prompt(variants, adapter, requests[0], modes, args.ratio, 1, timer)  # warm-up
+        for request in tqdm(requests, desc="prompts", unit="prompt", disable=None):
+            measured = measure_prompt(
+                variants, adapter, request, modes, args.ratio, args.repeats, timer
+            )
+            per_prompt.append({"prompt_tokens": len(request.ids), "modes": measured})
+            tqdm.write(
+                f"{len(request.ids)} tokens: "
+                + "  ".join(f"{m} {statistics.median(measured[m]['totals_s']):.2f}s" for m in modes)
+            )
+    summary = summarize(per_prompt, modes)
+    report = {
+        "benchmark": "fusion_breakdown",
+        "model": MODEL,
+        "threads": args.threads,
+        "clock": args.clock,
+        "ratio": args.ratio,
+        "base_revision": args.base,
+        "patched_executor": str(args.executor) if args.executor else None,
+        "load_average_before_after": [load_before, os.getloadavg()],
+        "summary": summary,
+        "prompts": per_prompt,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(summary, modes)
+    print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
