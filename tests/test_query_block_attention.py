@@ -18,15 +18,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_hicache_ext.fusion import attention, scattered_attention
 from sglang_hicache_ext.fusion.attention import position_causal_attention
-
-
-def _reference(q, k, v, q_pos, k_pos, scale):
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).double()
-    v = v.repeat_interleave(group, dim=1).double()
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    scores = scores.masked_fill(~(k_pos[None, None, :] <= q_pos[None, :, None]), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+from tests.test_position_attention import reference_attention
 
 
 def _one_masked_call(q, k, v, q_pos, k_pos, scale):
@@ -75,7 +67,9 @@ def test_blocks_equal_reference_and_one_masked_call(
     k_pos = torch.arange(num_keys)
     scale = 1 / math.sqrt(32)
     out = position_causal_attention(q, k, v, q_pos, k_pos, scale)
-    torch.testing.assert_close(out, _reference(q, k, v, q_pos, k_pos, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, reference_attention(q, k, v, q_pos, k_pos, scale), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(
         out, _one_masked_call(q, k, v, q_pos, k_pos, scale), atol=1e-6, rtol=1e-6
     )
@@ -100,7 +94,9 @@ def test_first_query_at_position_zero_and_block_edges() -> None:
     )
     k_pos = torch.arange(num_keys)
     out = position_causal_attention(q, k, v, q_pos, k_pos, 0.25)
-    torch.testing.assert_close(out, _reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, reference_attention(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_unsorted_queries_keep_the_one_call_path() -> None:
@@ -111,7 +107,9 @@ def test_unsorted_queries_keep_the_one_call_path() -> None:
     q, k, v = torch.randn(200, 4, 16), torch.randn(num_keys, 4, 16), torch.randn(num_keys, 4, 16)
     k_pos = torch.arange(num_keys)
     out = position_causal_attention(q, k, v, q_pos, k_pos, 0.25)
-    torch.testing.assert_close(out, _reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out, reference_attention(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_kept_mask_follows_the_positions() -> None:
@@ -129,7 +127,7 @@ def test_kept_mask_follows_the_positions() -> None:
         )
         out = position_causal_attention(q, k, v, q_pos, k_pos, 0.25)
         torch.testing.assert_close(
-            out, _reference(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5
+            out, reference_attention(q, k, v, q_pos, k_pos, 0.25), atol=1e-5, rtol=1e-5
         )
 
     check(q_pos)
