@@ -20,11 +20,11 @@ import torch
 
 from benchmarks.fusion_retention import MODELS, load_model, question_segments
 from benchmarks.smollm2_server import RESULTS
+from sglang_hicache_ext.evaluation.fused_answers import run_method
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.evaluation.rope_recovery import rope_recovery_errors
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_hicache_ext.fusion.executor import generate_greedy, precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, build_layout
-from sglang_hicache_ext.fusion.rope import apply_rope
 from sglang_hicache_ext.fusion.selectors import make_selector
 
 NEW_TOKENS = 64
@@ -47,37 +47,6 @@ def reference_greedy(
     return tokens, seen
 
 
-@torch.inference_mode()
-def fused_greedy_logits(
-    adapter: HFCausalLMAdapter, segments: list, tokens: list[int]
-) -> list[torch.Tensor]:
-    """The executor's logits along `tokens` (teacher forcing, so a flip cannot hide a difference)."""
-    from sglang_hicache_ext.fusion.executor import decode_step, fused_prefill
-
-    prefill = fused_prefill(adapter, segments, make_selector("full", 1.0), return_kv=True)
-    assert prefill.kv is not None
-    logits, kv = [prefill.logits], prefill.kv
-    for token in tokens[:-1]:
-        step, kv = decode_step(adapter, kv, token)
-        logits.append(step)
-    return logits
-
-
-def rope_recovery_error(adapter: HFCausalLMAdapter, ids: list[int]) -> float:
-    chunk = precompute_chunk(adapter, ids)
-    positions = torch.arange(len(ids)) + SHIFT
-    with torch.inference_mode():
-        cache = adapter.model(
-            torch.tensor([ids]), position_ids=positions[None], use_cache=True
-        ).past_key_values
-    errors = []
-    for layer in range(adapter.shape.num_layers):
-        truth = cache.layers[layer].keys[0].transpose(0, 1)
-        recovered = apply_rope(chunk.keys[layer], positions, adapter.rope_spec)
-        errors.append(float((recovered - truth).norm() / truth.norm()))
-    return max(errors)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen")
@@ -92,19 +61,22 @@ def main() -> int:
         layout = build_layout(segments)
         ids = layout.token_ids.tolist()
         tokens, reference = reference_greedy(adapter, ids)
-        fused = generate_greedy(adapter, segments, make_selector("full", 1.0), NEW_TOKENS)
-        forced = fused_greedy_logits(adapter, segments, tokens)
-        diffs = [float((a - b).abs().max()) for a, b in zip(reference, forced, strict=True)]
+        # The executor's own greedy tokens, and its logits along transformers' tokens (teacher
+        # forcing, so a flip cannot hide a difference).
+        fused = run_method(adapter, segments, make_selector("full", 1.0), (), NEW_TOKENS, tokens)
+        diffs = [
+            float((a - b).abs().max()) for a, b in zip(reference, fused.forced_logits, strict=True)
+        ]
         first = next(s for s in segments if isinstance(s, ChunkSegment)).chunk.token_ids
         rows.append(
             {
                 "qid": example.qid,
                 "prompt_tokens": len(ids),
                 "chunks": len(layout.spans),
-                "same_64_tokens": list(fused.token_ids) == tokens,
+                "same_64_tokens": list(fused.answer) == tokens,
                 "max_abs_logit_diff": max(diffs),
                 "logit_range": float(max(r.max() - r.min() for r in reference)),
-                "rope_recovery_max_rel_error": rope_recovery_error(adapter, list(first)),
+                "rope_recovery_max_rel_error": max(rope_recovery_errors(adapter, first, SHIFT)),
             }
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sglang_hicache_ext.evaluation.rope_recovery import rope_recovery_errors
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.executor import generate_greedy, precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment
@@ -29,26 +30,10 @@ def smollm2(smollm2_path: Path) -> tuple[HFCausalLMAdapter, object]:
     return HFCausalLMAdapter(model), AutoTokenizer.from_pretrained(smollm2_path)
 
 
-def rope_recovery_error(adapter: HFCausalLMAdapter, ids: list[int], shift: int) -> list[float]:
-    """Per layer: keys precomputed at 0..n-1 and rotated to +shift vs a forward at +shift."""
-    chunk = precompute_chunk(adapter, ids)
-    positions = torch.arange(len(ids)) + shift
-    with torch.inference_mode():
-        cache = adapter.model(
-            torch.tensor([ids]), position_ids=positions[None], use_cache=True
-        ).past_key_values
-    errors = []
-    for layer in range(adapter.shape.num_layers):
-        truth = cache.layers[layer].keys[0].transpose(0, 1)
-        recovered = apply_rope(chunk.keys[layer], positions, adapter.rope_spec)
-        errors.append(float((recovered - truth).norm() / truth.norm()))
-    return errors
-
-
 def test_rope_recovery_on_smollm2(smollm2: tuple) -> None:
     adapter, tokenizer = smollm2
     ids = tokenizer(DOC)["input_ids"]
-    errors = rope_recovery_error(adapter, ids, SHIFT)
+    errors = rope_recovery_errors(adapter, ids, SHIFT)
     print(f"\nRoPE recovery, {len(ids)} keys moved by {SHIFT}: max rel error {max(errors):.2e}")
     assert len(errors) == 30
     assert max(errors) <= 1e-3
