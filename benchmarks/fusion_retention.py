@@ -57,12 +57,21 @@ from sglang_hicache_ext.fusion.selectors import Selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.tuning.ratio.quality_floor import (
+    FLOORS_FILE,
+    TARGET_RETENTION,
+    CurvePoint,
+    QualityFloor,
+    floor_from_curve,
+    record_floor,
+)
 
 MODELS = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}
 PREPARE = {"qwen": "make models-qwen", "smollm2": "make models"}
 ANSWER_TOKENS = 16
 SEED = 2026  # question sample: the same questions for every model and method
 DEFAULT_SELECTOR = ExtensionSettings().fusion_selector
+DTYPES = ("float32", "bfloat16")
 
 
 def load_model(name: str, dtype: torch.dtype) -> tuple[Any, HFCausalLMAdapter]:
@@ -114,58 +123,76 @@ def measure(
 
 
 def _interval(samples: tuple[np.ndarray, ...], statistic: Any) -> list[float]:
-    if len(samples[0]) < 3 or np.ptp(np.concatenate(samples)) == 0:
+    identical = all(np.array_equal(samples[0], other) for other in samples[1:])
+    if len(samples[0]) < 3 or identical or np.ptp(np.concatenate(samples)) == 0:
         value = float(statistic(*samples))
         return [value, value]
-    result = bootstrap(
-        samples,
-        statistic,
-        paired=True,
-        vectorized=False,
-        n_resamples=2000,
-        confidence_level=0.95,
-        method="BCa",
-        random_state=0,
-    )
+    # BCa needs a non-degenerate jackknife; many equal F1 values (0 or 1) can defeat it, and
+    # then the percentile interval is the honest fallback.
+    for method in ("BCa", "percentile"):
+        result = bootstrap(
+            samples,
+            statistic,
+            paired=True,
+            vectorized=False,
+            n_resamples=2000,
+            confidence_level=0.95,
+            method=method,
+            random_state=0,
+        )
+        if not np.isnan(result.confidence_interval.low):
+            break
     return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
 
 
 def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
-    rows = [row for row in rows if all(m in row["methods"] for m in methods)]
-    f1_full = np.array([row["f1_full"] for row in rows])
-    kl_reuse = (
-        np.array([row["methods"]["reuse"]["kl"] for row in rows]) if "reuse" in methods else None
-    )
+    """Per method over the questions that have it (and reuse, for the paired KL gap): a ratio
+    curve may cover fewer questions than the methods compared at one ratio."""
     summary: dict[str, dict[str, Any]] = {
         "full": {
             "questions": len(rows),
-            "f1": float(f1_full.mean()),
+            "f1": float(np.mean([row["f1_full"] for row in rows])),
             "retention": 1.0,
             "agree": 1.0,
         }
     }
     for method in methods:
-        f1 = np.array([row["methods"][method]["f1"] for row in rows])
-        kl = np.array([row["methods"][method]["kl"] for row in rows])
-        values: dict[str, Any] = {
-            "questions": len(rows),
+        have = [row for row in rows if method in row["methods"] and "reuse" in row["methods"]]
+        runs = [row["methods"][method] for row in have]
+        f1_full = np.array([row["f1_full"] for row in have])
+        f1 = np.array([run["f1"] for run in runs])
+        kl = np.array([run["kl"] for run in runs])
+        kl_reuse = np.array([row["methods"]["reuse"]["kl"] for row in have])
+        summary[method] = {
+            "questions": len(have),
+            "f1_full": float(f1_full.mean()),
             "f1": float(f1.mean()),
             "retention": float(f1.mean() / f1_full.mean()),
             "retention_ci95": _interval((f1, f1_full), lambda a, b: a.mean() / b.mean()),
-            "agree": statistics.mean(row["methods"][method]["agree"] for row in rows),
+            "agree": statistics.mean(run["agree"] for run in runs),
             "kl": float(kl.mean()),
-            "first_kl": statistics.mean(row["methods"][method]["first_kl"] for row in rows),
+            "first_kl": statistics.mean(run["first_kl"] for run in runs),
             "prefill_ratio": statistics.median(
-                row["methods"][method]["prefill_s"] / row["full_prefill_s"] for row in rows
+                run["prefill_s"] / row["full_prefill_s"]
+                for run, row in zip(runs, have, strict=True)
             ),
+            "kl_gap_closed": float(1 - kl.mean() / kl_reuse.mean()),
+            "kl_gap_closed_ci95": _interval((kl, kl_reuse), lambda a, b: 1 - a.mean() / b.mean()),
         }
-        if kl_reuse is not None:
-            values["kl_gap_closed"] = float(1 - kl.mean() / kl_reuse.mean())
-            values["kl_gap_closed_ci95"] = _interval(
-                (kl, kl_reuse), lambda a, b: 1 - a.mean() / b.mean()
-            )
-        summary[method] = values
     return summary
+
+
+def ratio_curve(summary: dict[str, dict[str, Any]], selector: str) -> tuple[CurvePoint, ...]:
+    """F1 retention of `selector` (e.g. "a3+sink4") at every ratio the summary measured."""
+    curve = []
+    for method, values in summary.items():
+        name, _, ratio = method.partition("@")
+        if name == selector:
+            low, high = values["retention_ci95"]
+            curve.append(
+                CurvePoint(float(ratio), values["retention"], (low, high), values["questions"])
+            )
+    return tuple(sorted(curve))
 
 
 def print_table(summary: dict[str, dict[str, Any]]) -> None:
@@ -190,13 +217,15 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
         )
 
 
-def write_summary(out: Path, model: str, rows: list[dict[str, Any]]) -> None:
+def write_summary(
+    out: Path, model: str, dtype: str, rows: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
     """Summarise over the questions that have every method; print the table."""
     methods = list(dict.fromkeys(m for row in rows for m in row["methods"]))
     summary = summarise(rows, methods)
     report = {
         "model": MODELS[model],
-        "dtype": "float32",
+        "dtype": dtype,
         "answer_tokens": ANSWER_TOKENS,
         "default_selector": DEFAULT_SELECTOR,
         "summary": summary,
@@ -204,6 +233,21 @@ def write_summary(out: Path, model: str, rows: list[dict[str, Any]]) -> None:
     }
     out.write_text(json.dumps(report, indent=1) + "\n")
     print_table(summary)
+    return summary
+
+
+def record_model_floor(
+    summary: dict[str, dict[str, Any]], model: str, selector: str, dtype: str, out: Path
+) -> None:
+    """Store the model's quality floor (tuning/ratio) from `selector`'s ratio curve."""
+    curve = ratio_curve(summary, selector)
+    if not curve:
+        raise SystemExit(f"no {selector}@<ratio> method in {out}")
+    floor = QualityFloor(
+        MODELS[model], selector, floor_from_curve(curve), TARGET_RETENTION, curve, dtype, out.name
+    )
+    record_floor(floor)
+    print(f"quality floor of {floor.model} ({selector}): {floor.ratio} -> {FLOORS_FILE}")
 
 
 def main() -> int:
@@ -212,27 +256,50 @@ def main() -> int:
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--methods", default="reuse,default@0.15,a3@0.15,cacheblend@0.15")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="compute dtype of the model (bfloat16: as served on GPU, ~2x faster on AVX512-BF16)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=SEED, help="question sample (another seed: a held-out dev set)"
+    )
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument(
         "--summary-only", action="store_true", help="summarise the file's rows, measure nothing"
     )
+    parser.add_argument(
+        "--record-floor",
+        metavar="SELECTOR",
+        help="store the model's quality floor from this selector's ratio curve (tuning/ratio)",
+    )
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m != "full"]
     selectors = {m: parse_method(m) for m in methods}
-    out = args.out or RESULTS / f"fusion_retention_{args.model}.json"
+    suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + (
+        "" if args.seed == SEED else f"_seed{args.seed}"
+    )
+    out = args.out or RESULTS / f"fusion_retention_{args.model}{suffix}.json"
     if args.summary_only:
-        rows = json.loads(out.read_text())["rows"]
-        write_summary(out, args.model, rows)
+        report = json.loads(out.read_text())
+        dtype = report.get("dtype", "float32")
+        summary = write_summary(out, args.model, dtype, report["rows"])
+        if args.record_floor:
+            record_model_floor(summary, args.model, args.record_floor, dtype, out)
         return 0
     torch.set_num_threads(args.threads)
-    tokenizer, adapter = load_model(args.model, torch.float32)
+    tokenizer, adapter = load_model(args.model, getattr(torch, args.dtype))
     stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
-    rows: list[dict[str, Any]] = (
-        json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
-    )
+    earlier = json.loads(out.read_text()) if args.resume and out.exists() else {"rows": []}
+    if earlier.get("dtype", args.dtype) != args.dtype:
+        raise SystemExit(f"{out} was measured in {earlier['dtype']}, not {args.dtype}")
+    rows: list[dict[str, Any]] = earlier["rows"]
     by_qid = {row["qid"]: row for row in rows}
-    for example in tqdm(load_hotpotqa(args.questions, seed=SEED), desc=args.model, disable=None):
+    for example in tqdm(
+        load_hotpotqa(args.questions, seed=args.seed), desc=args.model, disable=None
+    ):
         row = by_qid.get(example.qid)
         missing = [m for m in methods if row is None or m not in row["methods"]]
         if not missing:
@@ -257,9 +324,12 @@ def main() -> int:
         for method in missing:
             run = run_method(adapter, segments, selectors[method], stop, ANSWER_TOKENS, full.answer)
             row["methods"][method] = measure(full, run, tokenizer, example.answer, full_text)
-        out.write_text(json.dumps({"model": MODELS[args.model], "rows": rows}, indent=1) + "\n")
+        partial = {"model": MODELS[args.model], "dtype": args.dtype, "rows": rows}
+        out.write_text(json.dumps(partial, indent=1) + "\n")
         tqdm.write(f"{example.qid}: {time.perf_counter() - began:.0f}s")
-    write_summary(out, args.model, rows)
+    summary = write_summary(out, args.model, args.dtype, rows)
+    if args.record_floor:
+        record_model_floor(summary, args.model, args.record_floor, args.dtype, out)
     return 0
 
 
