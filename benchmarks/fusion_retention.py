@@ -11,7 +11,10 @@ as benchmarks/fusion_quality.py). Per question, every method on the same prompt:
 - the prefill's wall time, as a ratio to the full prefill's on the same prompt.
 
 Summary per method: F1 retention = mean F1 / mean F1 of the full prefill with a 95 % paired
-bootstrap interval (scipy.stats.bootstrap, BCa), agreement, teacher-forced KL and the share of
+bootstrap interval (scipy.stats.bootstrap, BCa); answers kept = of the questions the full prefill
+answers (F1 >= 0.5), the share the method still answers (with a bootstrap interval), and answers
+gained (questions only the method answers: a weak model's F1 moves both ways, and gains by chance
+inflate the mean F1 without keeping anything); agreement, teacher-forced KL and the share of
 reuse's KL it closes (`kl_gap_closed`, also with a bootstrap interval), median prefill-time ratio.
 
     python -m benchmarks.fusion_retention --model qwen --questions 200 \
@@ -70,6 +73,7 @@ MODELS = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}
 PREPARE = {"qwen": "make models-qwen", "smollm2": "make models"}
 ANSWER_TOKENS = 16
 SEED = 2026  # question sample: the same questions for every model and method
+ANSWERED_F1 = 0.5  # a question counts as answered from this token F1 on
 DEFAULT_SELECTOR = ExtensionSettings().fusion_selector
 DTYPES = ("float32", "bfloat16")
 
@@ -123,7 +127,7 @@ def measure(
 
 
 def _interval(samples: tuple[np.ndarray, ...], statistic: Any) -> list[float]:
-    identical = all(np.array_equal(samples[0], other) for other in samples[1:])
+    identical = len(samples) > 1 and all(np.array_equal(samples[0], o) for o in samples[1:])
     if len(samples[0]) < 3 or identical or np.ptp(np.concatenate(samples)) == 0:
         value = float(statistic(*samples))
         return [value, value]
@@ -178,8 +182,20 @@ def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[
             ),
             "kl_gap_closed": float(1 - kl.mean() / kl_reuse.mean()),
             "kl_gap_closed_ci95": _interval((kl, kl_reuse), lambda a, b: 1 - a.mean() / b.mean()),
+            **_answers_kept(f1_full, f1),
         }
     return summary
+
+
+def _answers_kept(f1_full: np.ndarray, f1: np.ndarray) -> dict[str, Any]:
+    answered = f1_full >= ANSWERED_F1
+    kept = (f1[answered] >= ANSWERED_F1).astype(float)
+    return {
+        "answered_by_full": int(answered.sum()),
+        "kept": float(kept.mean()) if len(kept) else float("nan"),
+        "kept_ci95": _interval((kept,), np.mean) if len(kept) else [float("nan")] * 2,
+        "gained": int((f1[~answered] >= ANSWERED_F1).sum()),
+    }
 
 
 def ratio_curve(summary: dict[str, dict[str, Any]], selector: str) -> tuple[CurvePoint, ...]:
@@ -198,10 +214,10 @@ def ratio_curve(summary: dict[str, dict[str, Any]], selector: str) -> tuple[Curv
 def print_table(summary: dict[str, dict[str, Any]]) -> None:
     """The summary as the markdown table the docs show."""
     print(
-        "| method | questions | F1 | F1 retention [95 % CI] | agrees with full | "
-        "teacher-forced KL | KL gap closed [95 % CI] | prefill time ÷ full |"
+        "| method | questions | F1 | F1 retention [95 % CI] | answers kept [95 % CI] | gained "
+        "| agrees with full | teacher-forced KL | KL gap closed [95 % CI] | prefill time ÷ full |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for method, v in summary.items():
         ci = v.get("retention_ci95", [1.0, 1.0])
         retention = f"{v['retention']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
@@ -210,9 +226,13 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
             low, high = v["kl_gap_closed_ci95"]
             gap = f"{v['kl_gap_closed']:.2f} [{low:.2f}, {high:.2f}]"
         kl = f"{v['kl']:.4f}" if "kl" in v else "0"
+        kept = "1.00" if "kept" not in v else f"{v['kept']:.2f} [{v['kept_ci95'][0]:.2f}, "
+        kept += "" if "kept" not in v else f"{v['kept_ci95'][1]:.2f}] of {v['answered_by_full']}"
+        gained = str(v.get("gained", 0))
         time_ratio = f"{v.get('prefill_ratio', 1.0):.2f}"
         print(
-            f"| `{method}` | {v['questions']} | {v['f1']:.3f} | {retention} | {v['agree']:.2f} "
+            f"| `{method}` | {v['questions']} | {v['f1']:.3f} | {retention} | {kept} | {gained} "
+            f"| {v['agree']:.2f} "
             f"| {kl} | {gap} | {time_ratio} |"
         )
 

@@ -115,7 +115,8 @@ def plot_fusion_quality(results: Path, out: Path) -> Path:
 
 
 def plot_fusion_retention(results: Path, out: Path) -> Path | None:
-    files = sorted(results.glob("fusion_retention_*.json"))
+    # held-out dev runs (`--seed`) chose the selector; the figure shows the evaluation runs
+    files = [p for p in sorted(results.glob("fusion_retention_*.json")) if "_seed" not in p.stem]
     if not files:
         return None
     figure, panels = plt.subplots(1, len(files), figsize=(5.6 * len(files), 4.4), dpi=DPI)
@@ -153,7 +154,9 @@ def plot_fusion_retention(results: Path, out: Path) -> Path | None:
         axes.set_xlabel("prefill time, fused ÷ full (median over questions, in process)")
         axes.set_ylabel("F1 ÷ full prefill's F1 (95 % bootstrap interval)")
         axes.set_title(
-            f"{data['model']}, {summary['full']['questions']} HotpotQA questions", fontsize=9
+            f"{data['model']} ({data.get('dtype', 'float32')}), "
+            f"{summary['full']['questions']} HotpotQA questions",
+            fontsize=9,
         )
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7, loc="lower right")
