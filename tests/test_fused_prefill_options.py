@@ -9,8 +9,21 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, pa
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 DEFAULTS = ExtensionSettings(
-    fusion_by_default=False, fusion_selector="a3", fusion_recompute_ratio=0.15
+    fusion_by_default=False,
+    fusion_selector="a3",
+    fusion_recompute_ratio=0.15,
+    fusion_sink_tokens=0,
 )
+
+
+def test_shipped_default_is_the_measured_closest_selector() -> None:
+    # docs/fusion-quality.md: question_error + 8 sink tokens closes the most teacher-forced KL
+    shipped = parse_options({"fusion": True}, ExtensionSettings())
+    assert (shipped.selector, shipped.sink_tokens, shipped.recompute_ratio) == (
+        "question_error",
+        8,
+        0.15,
+    )
 
 
 def test_defaults_and_overrides() -> None:
