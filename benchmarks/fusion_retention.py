@@ -75,6 +75,7 @@ ANSWER_TOKENS = 16
 SEED = 2026  # question sample: the same questions for every model and method
 ANSWERED_F1 = 0.5  # a question counts as answered from this token F1 on
 DEFAULT_SELECTOR = ExtensionSettings().fusion_selector
+DEFAULT_SINK_TOKENS = ExtensionSettings().fusion_sink_tokens
 DTYPES = ("float32", "bfloat16")
 
 
@@ -107,8 +108,9 @@ def parse_method(method: str) -> Selector:
     if method in ("full", "reuse"):
         return make_selector(method, 1.0 if method == "full" else 0.0)
     name, _, ratio = method.partition("@")
-    name, _, sinks = name.partition("+sink")
-    name = DEFAULT_SELECTOR if name == "default" else name
+    name, plus, sinks = name.partition("+sink")
+    if name == "default":  # the server's default: its selector and, unless given, its sinks
+        name, sinks = DEFAULT_SELECTOR, sinks if plus else str(DEFAULT_SINK_TOKENS)
     return make_selector(name, float(ratio), sink_tokens=int(sinks or 0))
 
 
@@ -247,7 +249,7 @@ def write_summary(
         "model": MODELS[model],
         "dtype": dtype,
         "answer_tokens": ANSWER_TOKENS,
-        "default_selector": DEFAULT_SELECTOR,
+        "default_selector": f"{DEFAULT_SELECTOR}+sink{DEFAULT_SINK_TOKENS}",
         "summary": summary,
         "rows": rows,
     }
