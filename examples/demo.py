@@ -4,7 +4,8 @@ Starts `python -m sglang.launch_server` with `--radix-cache-backend hicache_ext`
 tier + file tier) and the `torch_position` CPU attention backend on SmolLM2-135M-Instruct,
 registers the HotpotQA paragraphs as chunks, runs the `sgl.function` RAG program of
 examples/rag_pipeline.py with the paragraphs shuffled in the prompt, once with chunk fusion
-(a3, r=0.15, each chunk's first 4 tokens first in the budget) and once with SGLang's normal
+(the server's default: question_error, r=0.15, each chunk's first 8 tokens first in the budget;
+docs/fusion-quality.md) and once with SGLang's normal
 prefill, prints TTFT and answers side by side, and stops the server (no process is left behind).
 """
 
@@ -29,19 +30,21 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     free_port,
     running_server,
 )
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--documents", type=int, default=6, help="HotpotQA paragraphs per prompt")
-    parser.add_argument("--selector", default="a3")
+    defaults = ExtensionSettings()
+    parser.add_argument("--selector", default=defaults.fusion_selector)
     parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of chunk tokens")
     parser.add_argument(
         "--sink-tokens",
         type=int,
-        default=4,
-        help="first tokens of each chunk recomputed first (docs/fusion-core.md)",
+        default=defaults.fusion_sink_tokens,
+        help="first tokens of each chunk recomputed first (docs/fusion-quality.md)",
     )
     args = parser.parse_args()
 
@@ -67,7 +70,7 @@ def main() -> int:
             print(
                 f"registered {len(chunks)} documents ({sum(c.num_tokens for c in chunks)} tokens)"
             )
-            print(f"{'mode':<22}{'TTFT (s)':>9}{'prompt':>8}{'reused':>8}  question -> answer")
+            print(f"{'mode':<34}{'TTFT (s)':>9}{'prompt':>8}{'reused':>8}  question -> answer")
             for example, docs in zip(examples, documents, strict=True):
                 shuffled = random.Random(example.qid).sample(list(docs), len(docs))
                 flush_cache(config.url)
@@ -82,12 +85,12 @@ def main() -> int:
                     ("normal prefill", normal),
                 ):
                     print(
-                        f"{label:<22}{result.ttft_s:>9.2f}{result.prompt_tokens:>8}{result.tokens_reused:>8}  "
+                        f"{label:<34}{result.ttft_s:>9.2f}{result.prompt_tokens:>8}{result.tokens_reused:>8}  "
                         f"{example.question} -> {result.answer!r}",
                         flush=True,
                     )
                 print(
-                    f"{'':<22}TTFT fused/normal = {fused.ttft_s / normal.ttft_s:.2f}   gold: {example.answer!r}"
+                    f"{'':<34}TTFT fused/normal = {fused.ttft_s / normal.ttft_s:.2f}   gold: {example.answer!r}"
                 )
     except ServerStartError as err:
         print(f"demo failed: {err}", file=sys.stderr)
