@@ -19,3 +19,15 @@ def page_seconds(avg_pages: float, window_s: float) -> float:
     if avg_pages < 0 or window_s < 0:
         raise ValueError("average pages and window length must be >= 0")
     return avg_pages * window_s
+
+
+def paced_ttl(budget_pages: float, page_writes: int, elapsed_s: float, max_ttl_s: float) -> float:
+    """A TTL that keeps the disk near the budget before any history exists (Little's law).
+
+    Pages written at rate w and kept t seconds each occupy w * t pages on average, so
+    t = budget / w with w measured since the start. Counting every write (refreshes included)
+    overstates the occupancy, which errs on the side of the budget.
+    """
+    if page_writes <= 0:
+        return 0.0 if elapsed_s <= 0 else max_ttl_s
+    return float(min(max_ttl_s, budget_pages * max(elapsed_s, 0.0) / page_writes))

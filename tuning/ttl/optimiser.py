@@ -30,6 +30,7 @@ from sglang_hicache_ext.tuning.ttl.profile_set import ProfileSet
 
 PERTURBATION_SIGMA = 0.5  # log-normal spread of the random starts around the scaled ROI point
 _SLSQP_OPTIONS = {"maxiter": 200, "ftol": 1e-9}
+_NEGLIGIBLE_TTL_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,9 @@ def fit_budget(groups: ProfileSet, ttls: np.ndarray, budget: float, max_ttl: flo
     def excess(scale: float) -> float:
         return float(groups.cost(np.minimum(ttls * scale, max_ttl)).sum()) - budget
 
+    # A TTL under a microsecond keeps nothing; SLSQP leaves some at 1e-314, whose scale ceiling
+    # (max_ttl / t) overflows to inf.
+    ttls = np.where(ttls < _NEGLIGIBLE_TTL_S, 0.0, ttls)
     if not np.any(ttls > 0):
         return ttls
     if excess(1.0) > 0:

@@ -3,15 +3,23 @@
 Model: every block access goes to DRAM first (LRU by bytes, optional), then to disk. Disk is
 write-through from DRAM: every accessed block is written to, or refreshed on, disk with the expiry
 given by `sglang_hicache_ext.tiers.ttl_policy.TtlPolicy`, whatever tier served it. Hits are counted per block.
+Like the live disk store (`tiers/disk_store.py`), the disk can have a hard capacity (the live
+default is twice the budget, `DiskTierOptions`): a write that does not fit evicts the
+soonest-expiring blocks.
 Disk bytes are integrated exactly: after each access a block occupies the disk until
-min(expiry, its next access, end of trace).
+min(expiry, its eviction, its next access, end of trace).
 
 Online mode re-plans at every period boundary from the requests of earlier periods only (at most
-`history_s` back); the first period has no history and uses `initial_ttl_s`.
+`history_s` back). The first period has no history: its TTL is paced from the budget and the
+write rate seen so far (`paced_ttl`), or is `initial_ttl_s` when that is given.
+
+`score_from_s` (seconds after the first request) splits a trace into a warm-up, replayed to give
+the planner its history but not scored, and the part scored (hits and disk bytes).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +32,7 @@ from sglang_hicache_ext.radix.groups import SubtreeGrouping
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.lru import BlockLru
 from sglang_hicache_ext.tuning.trace import TraceRequest
-from sglang_hicache_ext.tuning.ttl.budget import average_pages
+from sglang_hicache_ext.tuning.ttl.budget import average_pages, paced_ttl
 from sglang_hicache_ext.tuning.ttl.planner import PlannedTtls, TtlPlanner
 
 # KV bytes of one token for a Llama-3-8B-like model in fp16:
@@ -42,17 +50,34 @@ class ReplayConfig:
     online: bool = False
     period_s: float = 300.0
     history_s: float = math.inf
-    initial_ttl_s: float = 60.0
+    initial_ttl_s: float | None = None  # None: paced from the budget and the write rate
+    max_ttl_s: float = 3600.0  # cap of the paced first-period TTL
+    score_from_s: float = 0.0  # seconds after the first request; earlier accesses are warm-up
+    disk_capacity_bytes: float | None = None  # hard capacity; None: uncapped
 
     def __post_init__(self) -> None:
         if self.bytes_per_block <= 0:
             raise ValueError(f"bytes_per_block must be > 0, got {self.bytes_per_block}")
-        for name in ("disk_budget_bytes", "dram_bytes", "initial_ttl_s"):
+        for name in ("disk_budget_bytes", "dram_bytes", "score_from_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
-        if self.period_s <= 0 or self.history_s <= 0:
-            raise ValueError("period_s and history_s must be > 0")
+        if self.initial_ttl_s is not None and not (
+            math.isfinite(self.initial_ttl_s) and self.initial_ttl_s >= 0
+        ):
+            raise ValueError(f"initial_ttl_s must be finite and >= 0, got {self.initial_ttl_s}")
+        if self.period_s <= 0 or self.history_s <= 0 or self.max_ttl_s <= 0:
+            raise ValueError("period_s, history_s and max_ttl_s must be > 0")
+        if self.disk_capacity_bytes is not None and not self.disk_capacity_bytes >= 0:
+            raise ValueError(f"disk_capacity_bytes must be >= 0, got {self.disk_capacity_bytes}")
+
+    @property
+    def capacity_pages(self) -> float:
+        """The hard capacity in pages (inf: uncapped)."""
+        capacity = self.disk_capacity_bytes
+        if capacity is None or not math.isfinite(capacity):
+            return math.inf
+        return math.floor(capacity / self.bytes_per_block)
 
     @property
     def budget_pages(self) -> float:
@@ -77,6 +102,9 @@ class ReplayResult:
     peak_disk_bytes: float
     duration_s: float
     periods: tuple[PeriodTtls, ...] = field(default_factory=tuple)
+    seconds_over_budget: float = 0.0  # time the disk held more than the budget
+    budget_bytes: float = 0.0
+    capacity_evictions: int = 0  # blocks evicted because the disk was full
 
     @property
     def misses(self) -> int:
@@ -99,8 +127,14 @@ class ReplayResult:
                 "total": self.ratio(self.dram_hits + self.disk_hits),
                 "miss": self.ratio(self.misses),
             },
+            "budget_bytes": self.budget_bytes,
             "avg_disk_bytes": self.avg_disk_bytes,
             "peak_disk_bytes": self.peak_disk_bytes,
+            "peak_over_budget": self.peak_disk_bytes / self.budget_bytes
+            if self.budget_bytes
+            else None,
+            "seconds_over_budget": self.seconds_over_budget,
+            "capacity_evictions": self.capacity_evictions,
             "duration_s": self.duration_s,
             "ttls": [
                 {
@@ -129,10 +163,18 @@ def replay(
     if not requests:
         return ReplayResult(planner.name, 0, 0, 0, 0.0, 0.0, 0.0)
     start, end = requests[0].time_s, requests[-1].time_s
+    scored_from = start + config.score_from_s
+    if scored_from >= end:
+        raise ValueError("score_from_s leaves nothing of the trace to score")
     recorder = AccessRecorder()
+    paced = config.online and config.initial_ttl_s is None
+    page_writes = 0
     if config.online:
         boundaries = list(np.arange(start, end, config.period_s)) + [end]
-        initial = PlannedTtls(TtlTable(config.initial_ttl_s), SubtreeGrouping(), "initial")
+        first_ttl = 0.0 if config.initial_ttl_s is None else config.initial_ttl_s
+        initial = PlannedTtls(
+            TtlTable(first_ttl), SubtreeGrouping(), "paced" if paced else "initial"
+        )
         plans = [(start, initial, None)]
     else:
         for request in requests:
@@ -145,6 +187,7 @@ def replay(
     grouping = plans[0][1].grouping
     dram = BlockLru.of_bytes(config.dram_bytes, config.bytes_per_block)
     disk: dict[str, tuple[float, float]] = {}  # page -> (last access, expiry)
+    capacity = _Capacity(config.capacity_pages, disk)
     seg_start: list[float] = []
     seg_end: list[float] = []
     dram_hits = disk_hits = accesses = 0
@@ -160,17 +203,27 @@ def replay(
             plans.append((boundary, planned, (history_start, boundary)))
             recorder.forget_before(boundary - config.history_s)
             period += 1
+            paced = False
+        if paced:
+            ttl = paced_ttl(config.budget_pages, page_writes, now - start, config.max_ttl_s)
+            policy.update(TtlTable(ttl))
+        scored = now >= scored_from
         for page, group in zip(request.pages, grouping.groups_of_path(request.pages), strict=True):
-            accesses += 1
             previous = disk.get(page)
-            if dram.access(page):
-                dram_hits += 1
-            elif previous is not None and policy.is_live(previous[1], now):
-                disk_hits += 1
+            in_dram = dram.access(page)
+            if scored:
+                accesses += 1
+                if in_dram:
+                    dram_hits += 1
+                elif previous is not None and policy.is_live(previous[1], now):
+                    disk_hits += 1
             if previous is not None:
                 seg_start.append(previous[0])
                 seg_end.append(min(previous[1], now))
-            disk[page] = (now, policy.expiry_on_access(group, now))
+            expiry = policy.expiry_on_access(group, now)
+            disk[page] = (now, expiry)
+            capacity.written(page, previous, expiry, now)
+        page_writes += len(request.pages)
         if config.online:
             recorder.record_request(now, request.pages)
         if progress is not None and done % _PROGRESS_EVERY == 0:
@@ -181,7 +234,9 @@ def replay(
         seg_start.append(last_access)
         seg_end.append(min(expiry, end))
 
-    avg_pages, peak_pages = _occupancy(np.asarray(seg_start), np.asarray(seg_end), end - start)
+    occupancy = _occupancy(
+        np.asarray(seg_start), np.asarray(seg_end), scored_from, end, config.budget_pages
+    )
     periods = tuple(
         PeriodTtls(begin, plans[i + 1][0] if i + 1 < len(plans) else end, planned, window)
         for i, (begin, planned, window) in enumerate(plans)
@@ -191,21 +246,78 @@ def replay(
         accesses=accesses,
         dram_hits=dram_hits,
         disk_hits=disk_hits,
-        avg_disk_bytes=avg_pages * config.bytes_per_block,
-        peak_disk_bytes=peak_pages * config.bytes_per_block,
-        duration_s=end - start,
+        avg_disk_bytes=occupancy.average * config.bytes_per_block,
+        peak_disk_bytes=occupancy.peak * config.bytes_per_block,
+        duration_s=end - scored_from,
         periods=periods,
+        seconds_over_budget=occupancy.seconds_over,
+        budget_bytes=config.disk_budget_bytes,
+        capacity_evictions=capacity.evictions,
     )
 
 
-def _occupancy(starts: np.ndarray, ends: np.ndarray, duration: float) -> tuple[float, float]:
-    """Average and peak number of pages resident, from half-open residency segments."""
-    if starts.size == 0:
-        return 0.0, 0.0
+class _Capacity:
+    """The disk's hard capacity: counts resident blocks, evicts the soonest-expiring when full.
+
+    An evicted block's expiry in `disk` is moved to just before the eviction, which both ends its
+    residency segment and makes it a miss on its next access.
+    """
+
+    def __init__(self, pages: float, disk: dict[str, tuple[float, float]]) -> None:
+        self.pages = pages
+        self.disk = disk
+        self.evictions = 0
+        self._resident = 0
+        self._heap: list[tuple[float, str]] = []  # (expiry, page); stale entries skipped
+
+    def written(
+        self, page: str, previous: tuple[float, float] | None, expiry: float, now: float
+    ) -> None:
+        if math.isinf(self.pages):
+            return
+        self._expire(now)
+        was_resident = previous is not None and previous[1] >= now
+        if expiry < now:  # kept for no time at all: not resident
+            self._resident -= was_resident
+            return
+        if was_resident and previous is not None and previous[1] == expiry:
+            return  # same expiry again: its heap entry still stands
+        self._resident += not was_resident
+        heapq.heappush(self._heap, (expiry, page))
+        while self._resident > self.pages:
+            soonest, victim = heapq.heappop(self._heap)
+            if self.disk[victim][1] != soonest:
+                continue  # refreshed since: a stale entry
+            self.disk[victim] = (self.disk[victim][0], float(np.nextafter(now, -np.inf)))
+            self._resident -= 1
+            self.evictions += 1
+
+    def _expire(self, now: float) -> None:
+        while self._heap and self._heap[0][0] < now:
+            expiry, page = heapq.heappop(self._heap)
+            if self.disk[page][1] == expiry:
+                self._resident -= 1
+
+
+class Occupancy(NamedTuple):
+    average: float  # pages resident, time-averaged over the scored span
+    peak: float
+    seconds_over: float  # time with more than the budget's pages resident
+
+
+def _occupancy(
+    starts: np.ndarray, ends: np.ndarray, begin: float, end: float, budget_pages: float
+) -> Occupancy:
+    """Occupancy of half-open residency segments, clipped to the scored span [begin, end]."""
+    starts, ends = np.clip(starts, begin, end), np.clip(ends, begin, end)
     ends = np.maximum(ends, starts)
-    average = float((ends - starts).sum() / duration) if duration > 0 else 0.0
+    if starts.size == 0 or end <= begin:
+        return Occupancy(0.0, 0.0, 0.0)
+    average = float((ends - starts).sum() / (end - begin))
     times = np.concatenate((starts, ends))
     steps = np.concatenate((np.ones(starts.size), -np.ones(ends.size)))
     # At equal times apply departures first: a refresh ends one segment where the next begins.
     order = np.lexsort((steps, times))
-    return average, float(np.cumsum(steps[order]).max())
+    times, level = times[order], np.cumsum(steps[order])
+    over = float(np.diff(times)[level[:-1] > budget_pages + 1e-9].sum())
+    return Occupancy(average, float(level.max()), over)
