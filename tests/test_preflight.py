@@ -154,7 +154,7 @@ DISK_TIER = {
     [
         ({**DISK_TIER, "ttl_polcy": "group"}, "hicache_ext", "unknown option(s) ttl_polcy"),
         ({**DISK_TIER, "interface_v1": 0}, "hicache_ext", '"interface_v1": 1'),
-        ({**DISK_TIER, "ttl_policy": "lru"}, "hicache_ext", "not one of group, fixed, static"),
+        ({**DISK_TIER, "ttl_policy": "lru"}, "hicache_ext", "not one of group, group-always, fixed, static"),
         ({**DISK_TIER, "capacity_bytes": 0}, "hicache_ext", "capacity_bytes must be > 0"),
         (DISK_TIER, None, "needs --radix-cache-backend hicache_ext"),
         (

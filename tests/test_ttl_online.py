@@ -22,9 +22,9 @@ def _path(doc: str, pages: int = 4) -> list[str]:
     return ["sys0", "sys1", *(f"{doc}{i}" for i in range(pages))]
 
 
-def _planted(online: OnlineTtl, clock: FakeClock) -> None:
-    """Two hot documents behind a shared prefix, one cold one-off per step."""
-    for step in range(40):
+def _planted(online: OnlineTtl, clock: FakeClock, steps: int = 40) -> None:
+    """Two hot documents behind a shared prefix, one cold one-off per step (10 s)."""
+    for step in range(steps):
         clock.now = step * 10.0
         online.record(_path("hot-a" if step % 2 else "hot-b"))
         online.record(_path(f"cold{step}"))
@@ -46,7 +46,9 @@ def test_replan_finds_the_planted_groups_within_budget() -> None:
     clock = FakeClock()
     online = OnlineTtl(
         # Tight: one TTL cannot keep the hot documents (reused every 20 s) for this average.
-        OnlineTtlConfig(policy="group", top_k=2, disk_budget_bytes=14 * 1000.0, window_s=1e6),
+        OnlineTtlConfig(
+            policy="group-always", top_k=2, disk_budget_bytes=14 * 1000.0, window_s=1e6
+        ),
         clock=clock,
     )
     assert online.replan() is None  # nothing recorded, page size unknown
@@ -61,6 +63,34 @@ def test_replan_finds_the_planted_groups_within_budget() -> None:
     # Hot subtrees are reused every 20 s: they get at least that TTL; one-offs never return.
     assert online.ttl_of("subtree:hot-a0") >= 20.0
     assert online.ttl_of(RESIDUAL_GROUP) < online.ttl_of("subtree:hot-a0")
+
+
+@pytest.mark.parametrize(
+    ("hot_documents", "expected"),
+    # Two hot documents among one-offs: group TTLs keep them, one TTL cannot (budget too
+    # tight) -> the shadow of the group plan out-earns the single TTL's. Only one-offs: no
+    # group differs, the guard keeps the single TTL.
+    [(True, "group"), (False, "fixed (shadow)")],
+)
+def test_default_group_policy_publishes_groups_only_when_their_shadow_out_earns(
+    hot_documents: bool, expected: str
+) -> None:
+    clock = FakeClock()
+    config = OnlineTtlConfig(
+        policy="group", top_k=2, disk_budget_bytes=14 * 1000.0, period_s=100.0, window_s=1e6
+    )
+    online = OnlineTtl(config, clock=clock)
+    if hot_documents:
+        _planted(online, clock, steps=120)
+    else:
+        for step in range(120):
+            clock.now = step * 10.0
+            online.record(_path(f"cold{step}"))
+            online.record(_path(f"other{step}"))
+    online.set_page_bytes(1000)
+    plan = online.replan()  # the first plan backtests both candidates on the 1,190 s window
+    assert plan is not None and plan.choice == expected, plan
+    assert (plan.groups == 2) == hot_documents
 
 
 def test_fixed_policy_publishes_one_ttl() -> None:

@@ -79,6 +79,7 @@ class DiskTierOptions:
         return OnlineTtlConfig(
             policy=self.ttl_policy,
             disk_budget_bytes=float(budget),
+            capacity_bytes=float(self.capacity_bytes),
             period_s=float(self.ttl_period_s),
             window_s=float(self.ttl_window_s),
             top_k=int(self.ttl_groups),

@@ -22,6 +22,7 @@ from sglang_hicache_ext.tuning.ttl.replay import (
     ReplayResult,
     replay,
 )
+from sglang_hicache_ext.tuning.ttl.shadow_guard import ShadowGuardPlanner
 from sglang_hicache_ext.tuning.ttl.sweep import CAPACITY_FACTOR, POLICIES, planner_named, sweep
 from sglang_hicache_ext.tuning.ttl.synth import SHAPES, TraceShape, shape_named, write_trace
 
@@ -50,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-budget-gb", type=float, required=True, help="average disk bytes, GB (1e9)"
     )
     run.add_argument("--dram-gb", type=float, default=0.0, help="DRAM LRU tier, GB (0: none)")
-    run.add_argument("--policy", choices=("group", "fixed"), default="group")
+    run.add_argument(
+        "--policy",
+        choices=("group", "fixed"),
+        default="group",
+        help="group: group TTLs while their shadow disk out-earns one TTL's (the live default)",
+    )
     run.add_argument("--groups", type=int, default=32, help="K: top subtrees given own TTL")
     run.add_argument("--online", action="store_true", help="re-plan every period from the past")
     run.add_argument("--period", type=float, default=120.0, help="online period, seconds")
@@ -73,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--no-validation",
         action="store_true",
-        help="group policy: always publish group TTLs (no held-out check against one TTL)",
+        help="group policy: always publish group TTLs (no shadow check against one TTL)",
     )
     run.add_argument("--seed", type=int, default=0, help="seed of the multi-start perturbations")
     run.add_argument(
@@ -183,6 +189,14 @@ def sweep_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     return 0
 
 
+def _capacity_factor(config: ReplayConfig) -> float:
+    """The shadow disks' capacity as a multiple of the budget: the replay's own (uncapped: inf)."""
+    capacity, budget = config.disk_capacity_bytes, config.disk_budget_bytes
+    if capacity is None or budget <= 0:
+        return math.inf
+    return max(1.0, capacity / budget)
+
+
 def replay_with_progress(
     requests: Sequence[TraceRequest],
     planner: TtlPlanner,
@@ -234,8 +248,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.policy == "fixed":
         planner = FixedTtlPlanner(args.max_ttl)
     else:
-        validation = 0.0 if args.no_validation else 1 / 3
-        planner = GroupTtlPlanner(args.groups, args.max_ttl, args.seed, validation)
+        group = GroupTtlPlanner(
+            args.groups, args.max_ttl, args.seed, validation_fraction=0.0, shrink_events=0.0
+        )
+        planner = (
+            group
+            if args.no_validation
+            else ShadowGuardPlanner(
+                [FixedTtlPlanner(args.max_ttl), group],
+                capacity_factor=_capacity_factor(config),
+            )
+        )
     result = replay_with_progress(trace.requests, planner, config, f"replay ({planner.name})")
     report = {
         "trace": str(args.trace),

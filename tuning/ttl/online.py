@@ -29,10 +29,11 @@ from sglang_hicache_ext.tuning.ttl.planner import (
     PlannedTtls,
     TtlPlanner,
 )
+from sglang_hicache_ext.tuning.ttl.shadow_guard import ShadowGuardPlanner
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("group", "fixed", "static")
+POLICIES = ("group", "group-always", "fixed", "static")
 TIERS = ("device", "host", "disk")
 
 
@@ -40,8 +41,11 @@ TIERS = ("device", "host", "disk")
 class OnlineTtlConfig:
     """How TTLs are chosen on a live server (units: seconds and bytes)."""
 
-    policy: str = "group"  # group | fixed | static (static: initial_ttl_s / static_ttls forever)
+    # group: group TTLs while their shadow disk out-earns one TTL's, else one TTL (the default);
+    # group-always: group TTLs every period; fixed: one TTL; static: initial_ttl_s / static_ttls
+    policy: str = "group"
     disk_budget_bytes: float = 8 * 2**30  # average bytes on disk the TTLs may cost
+    capacity_bytes: float | None = None  # the disk's hard capacity; None: twice the budget
     period_s: float = 300.0
     window_s: float = 3600.0
     top_k: int = 8
@@ -61,13 +65,31 @@ class OnlineTtlConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.capacity_bytes is not None and not (
+            math.isfinite(self.capacity_bytes) and self.capacity_bytes > 0
+        ):
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes!r}")
 
     def initial_table(self) -> TtlTable:
         return TtlTable(self.initial_ttl_s, dict(self.static_ttls))
 
     def planner(self) -> TtlPlanner:
-        if self.policy == "group":
-            return GroupTtlPlanner(self.top_k, self.max_ttl_s)
+        if self.policy in ("group", "group-always"):
+            group = GroupTtlPlanner(
+                self.top_k, self.max_ttl_s, validation_fraction=0.0, shrink_events=0.0
+            )
+            if self.policy == "group-always":
+                return group
+            capacity_factor = (
+                2.0
+                if self.capacity_bytes is None or self.disk_budget_bytes <= 0
+                else max(1.0, self.capacity_bytes / self.disk_budget_bytes)
+            )
+            return ShadowGuardPlanner(
+                [FixedTtlPlanner(self.max_ttl_s), group],
+                capacity_factor=capacity_factor,
+                backtest_period_s=self.period_s,
+            )
         if self.policy == "fixed":
             return FixedTtlPlanner(self.max_ttl_s)
         return FixedTtlPlanner(self.max_ttl_s, table=self.initial_table())

@@ -19,7 +19,6 @@ the planner its history but not scored, and the part scored (hits and disk bytes
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from sglang_hicache_ext.tuning.lru import BlockLru
 from sglang_hicache_ext.tuning.trace import TraceRequest
 from sglang_hicache_ext.tuning.ttl.budget import average_pages, paced_ttl
 from sglang_hicache_ext.tuning.ttl.planner import PlannedTtls, TtlPlanner
+from sglang_hicache_ext.tuning.ttl.simulated_disk import SimulatedDisk
 
 # KV bytes of one token for a Llama-3-8B-like model in fp16:
 # 32 layers x 2 (K and V) x 8 KV heads x 128 head dim x 2 bytes = 128 KiB; a 512-token block is
@@ -186,10 +186,7 @@ def replay(
     policy = TtlPolicy(plans[0][1].table)
     grouping = plans[0][1].grouping
     dram = BlockLru.of_bytes(config.dram_bytes, config.bytes_per_block)
-    disk: dict[str, tuple[float, float]] = {}  # page -> (last access, expiry)
-    capacity = _Capacity(config.capacity_pages, disk)
-    seg_start: list[float] = []
-    seg_end: list[float] = []
+    disk = SimulatedDisk(config.capacity_pages, keep_segments=True)
     dram_hits = disk_hits = accesses = 0
     period = 1
     for done, request in enumerate(requests, start=1):
@@ -209,20 +206,14 @@ def replay(
             policy.update(TtlTable(ttl))
         scored = now >= scored_from
         for page, group in zip(request.pages, grouping.groups_of_path(request.pages), strict=True):
-            previous = disk.get(page)
             in_dram = dram.access(page)
+            on_disk = disk.access(page, policy.expiry_on_access(group, now), now)
             if scored:
                 accesses += 1
                 if in_dram:
                     dram_hits += 1
-                elif previous is not None and policy.is_live(previous[1], now):
+                elif on_disk:
                     disk_hits += 1
-            if previous is not None:
-                seg_start.append(previous[0])
-                seg_end.append(min(previous[1], now))
-            expiry = policy.expiry_on_access(group, now)
-            disk[page] = (now, expiry)
-            capacity.written(page, previous, expiry, now)
         page_writes += len(request.pages)
         if config.online:
             recorder.record_request(now, request.pages)
@@ -230,13 +221,7 @@ def replay(
             progress(_PROGRESS_EVERY)
     if progress is not None:
         progress(len(requests) % _PROGRESS_EVERY)
-    for last_access, expiry in disk.values():
-        seg_start.append(last_access)
-        seg_end.append(min(expiry, end))
-
-    occupancy = _occupancy(
-        np.asarray(seg_start), np.asarray(seg_end), scored_from, end, config.budget_pages
-    )
+    occupancy = _occupancy(*disk.segments(end), scored_from, end, config.budget_pages)
     periods = tuple(
         PeriodTtls(begin, plans[i + 1][0] if i + 1 < len(plans) else end, planned, window)
         for i, (begin, planned, window) in enumerate(plans)
@@ -252,51 +237,8 @@ def replay(
         periods=periods,
         seconds_over_budget=occupancy.seconds_over,
         budget_bytes=config.disk_budget_bytes,
-        capacity_evictions=capacity.evictions,
+        capacity_evictions=disk.evictions,
     )
-
-
-class _Capacity:
-    """The disk's hard capacity: counts resident blocks, evicts the soonest-expiring when full.
-
-    An evicted block's expiry in `disk` is moved to just before the eviction, which both ends its
-    residency segment and makes it a miss on its next access.
-    """
-
-    def __init__(self, pages: float, disk: dict[str, tuple[float, float]]) -> None:
-        self.pages = pages
-        self.disk = disk
-        self.evictions = 0
-        self._resident = 0
-        self._heap: list[tuple[float, str]] = []  # (expiry, page); stale entries skipped
-
-    def written(
-        self, page: str, previous: tuple[float, float] | None, expiry: float, now: float
-    ) -> None:
-        if math.isinf(self.pages):
-            return
-        self._expire(now)
-        was_resident = previous is not None and previous[1] >= now
-        if expiry < now:  # kept for no time at all: not resident
-            self._resident -= was_resident
-            return
-        if was_resident and previous is not None and previous[1] == expiry:
-            return  # same expiry again: its heap entry still stands
-        self._resident += not was_resident
-        heapq.heappush(self._heap, (expiry, page))
-        while self._resident > self.pages:
-            soonest, victim = heapq.heappop(self._heap)
-            if self.disk[victim][1] != soonest:
-                continue  # refreshed since: a stale entry
-            self.disk[victim] = (self.disk[victim][0], float(np.nextafter(now, -np.inf)))
-            self._resident -= 1
-            self.evictions += 1
-
-    def _expire(self, now: float) -> None:
-        while self._heap and self._heap[0][0] < now:
-            expiry, page = heapq.heappop(self._heap)
-            if self.disk[page][1] == expiry:
-                self._resident -= 1
 
 
 class Occupancy(NamedTuple):

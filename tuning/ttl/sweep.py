@@ -2,8 +2,8 @@
 replayed at each budget (same trace, same replay model).
 
 Policies: `fixed` (one TTL per period, solved for the budget), `group` (Algorithm 2's group TTLs
-every period, unguarded) and `group+fallback` (group TTLs only when they beat one TTL on the
-held-back recent history, shrunk toward it where evidence is thin; the live default).
+every period, unguarded) and `group+fallback` (group TTLs only while their shadow disk clearly
+out-earns one TTL's, `ShadowGuardPlanner`; the live default, `ttl_policy: "group"`).
 """
 
 from __future__ import annotations
@@ -16,19 +16,25 @@ from typing import Any
 from sglang_hicache_ext.tuning.trace import TraceRequest
 from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner
 from sglang_hicache_ext.tuning.ttl.replay import ReplayConfig, replay
+from sglang_hicache_ext.tuning.ttl.shadow_guard import ShadowGuardPlanner
 
 POLICIES = ("fixed", "group", "group+fallback")
 GB = 1e9
 CAPACITY_FACTOR = 2.0  # the live disk tier's default: capacity = 2 x the TTL budget
 
 
-def planner_named(name: str, groups: int, max_ttl_s: float) -> TtlPlanner:
+def planner_named(
+    name: str, groups: int, max_ttl_s: float, capacity_factor: float = CAPACITY_FACTOR
+) -> TtlPlanner:
     if name == "fixed":
         return FixedTtlPlanner(max_ttl_s)
     if name == "group":
         return GroupTtlPlanner(groups, max_ttl_s, validation_fraction=0.0, shrink_events=0.0)
     if name == "group+fallback":
-        return GroupTtlPlanner(groups, max_ttl_s, validation_fraction=1 / 3)
+        return ShadowGuardPlanner(
+            [FixedTtlPlanner(max_ttl_s), planner_named("group", groups, max_ttl_s)],
+            capacity_factor=capacity_factor,
+        )
     raise ValueError(f"unknown TTL policy {name!r}; choose from {', '.join(POLICIES)}")
 
 
@@ -52,7 +58,8 @@ def sweep(
         row: dict[str, Any] = {"budget_gb": budget}
         for name in policies:
             began = time.perf_counter()
-            result = replay(requests, planner_named(name, groups, config.max_ttl_s), at_budget)
+            planner = planner_named(name, groups, config.max_ttl_s, capacity_factor)
+            result = replay(requests, planner, at_budget)
             summary = result.to_json()
             choices = [period["choice"] for period in summary.pop("ttls")]
             summary["periods"] = len(choices)

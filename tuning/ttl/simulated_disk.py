@@ -1,0 +1,82 @@
+"""A TTL-governed disk simulated page by page: expiry on write and refresh on access, and an
+optional hard capacity that evicts the soonest-expiring pages (as `tiers/disk_store.py` does).
+
+Shared by the trace replay (the disk being measured) and the shadow guard (one simulated disk per
+candidate planner, fed the same accesses), so both count a hit the same way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy
+
+
+class SimulatedDisk:
+    """Pages on disk with their last access and expiry; counts hits and capacity evictions.
+
+    With `keep_segments`, every residency segment [last access, min(expiry, next access)) is
+    kept so that the caller can integrate the occupancy exactly (`segments`).
+    """
+
+    def __init__(self, capacity_pages: float = math.inf, keep_segments: bool = False) -> None:
+        if not capacity_pages >= 0:
+            raise ValueError(f"capacity_pages must be >= 0, got {capacity_pages}")
+        self.capacity_pages = capacity_pages
+        self.evictions = 0
+        self._pages: dict[str, tuple[float, float]] = {}  # page -> (last access, expiry)
+        self._keep_segments = keep_segments
+        self._seg_start: list[float] = []
+        self._seg_end: list[float] = []
+        self._resident = 0
+        self._heap: list[tuple[float, str]] = []  # (expiry, page); stale entries skipped
+
+    def access(self, page: str, expiry: float, now: float) -> bool:
+        """Read-or-write of `page` at `now`: whether it was live on disk, then (re)store it
+        until `expiry`."""
+        previous = self._pages.get(page)
+        live = previous is not None and TtlPolicy.is_live(previous[1], now)
+        if previous is not None and self._keep_segments:
+            self._seg_start.append(previous[0])
+            self._seg_end.append(min(previous[1], now))
+        self._pages[page] = (now, expiry)
+        if not math.isinf(self.capacity_pages):
+            self._written(page, previous, expiry, now)
+        return live
+
+    def segments(self, end_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """Residency segments so far, the open ones closed at min(expiry, `end_s`)."""
+        starts = self._seg_start + [last for last, _ in self._pages.values()]
+        ends = self._seg_end + [min(expiry, end_s) for _, expiry in self._pages.values()]
+        return np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
+
+    def _written(
+        self, page: str, previous: tuple[float, float] | None, expiry: float, now: float
+    ) -> None:
+        self._expire(now)
+        was_resident = previous is not None and previous[1] >= now
+        if expiry < now:  # kept for no time at all: not resident
+            self._resident -= was_resident
+            return
+        if was_resident and previous is not None and previous[1] == expiry:
+            return  # same expiry again: its heap entry still stands
+        self._resident += not was_resident
+        heapq.heappush(self._heap, (expiry, page))
+        while self._resident > self.capacity_pages:
+            soonest, victim = heapq.heappop(self._heap)
+            if self._pages[victim][1] != soonest:
+                continue  # refreshed since: a stale entry
+            # Moving the expiry to just before now ends its residency and makes its next
+            # access a miss.
+            self._pages[victim] = (self._pages[victim][0], float(np.nextafter(now, -np.inf)))
+            self._resident -= 1
+            self.evictions += 1
+
+    def _expire(self, now: float) -> None:
+        while self._heap and self._heap[0][0] < now:
+            expiry, page = heapq.heappop(self._heap)
+            if self._pages[page][1] == expiry:
+                self._resident -= 1
