@@ -93,6 +93,37 @@ def test_default_group_policy_publishes_groups_only_when_their_shadow_out_earns(
     assert (plan.groups == 2) == hot_documents
 
 
+def test_first_period_ttl_is_paced_from_the_budget_until_the_first_plan() -> None:
+    clock = FakeClock()
+    config = OnlineTtlConfig(policy="group", disk_budget_bytes=10 * 1000.0, initial_ttl_s=600.0)
+    online = OnlineTtl(config, clock=clock)
+    online.record(_path("a"))  # page size unknown yet: the configured initial TTL
+    assert online.ttl_of(RESIDUAL_GROUP) == 600.0
+    online.set_page_bytes(1000)  # budget: 10 pages on average
+    clock.now = 10.0
+    online.record(_path("b"))
+    # Little's law: 12 page writes in 10 s keep 10 pages on average for 10 * 10 / 12 s.
+    assert online.ttl_of(RESIDUAL_GROUP) == pytest.approx(10 * 10 / 12)
+    clock.now = 30.0
+    online.record(_path("c"))
+    assert online.ttl_of(RESIDUAL_GROUP) == pytest.approx(10 * 30 / 18)
+    plan = online.replan()
+    assert plan is not None
+    clock.now = 40.0
+    online.record(_path("d"))  # planned from now on: pacing stops
+    assert online.ttl_of(RESIDUAL_GROUP) == plan.ttls["default"]
+
+
+def test_pacing_can_be_turned_off() -> None:
+    clock = FakeClock()
+    config = OnlineTtlConfig(disk_budget_bytes=10 * 1000.0, pace_first_period=False)
+    online = OnlineTtl(config, clock=clock)
+    online.set_page_bytes(1000)
+    clock.now = 10.0
+    online.record(_path("a"))
+    assert online.ttl_of(RESIDUAL_GROUP) == config.initial_ttl_s
+
+
 def test_fixed_policy_publishes_one_ttl() -> None:
     clock = FakeClock()
     online = OnlineTtl(

@@ -45,6 +45,7 @@ class DiskTierOptions:
     ttl_groups: int = 8
     max_ttl_s: float = 86_400.0
     initial_ttl_s: float = 600.0
+    pace_first_period: bool = True  # until the first plan: TTL paced from budget and write rate
     static_ttls: dict[str, float] | None = None  # group -> TTL for ttl_policy = "static"
     purge_interval_s: float = 5.0
     ttl_history_save_s: float | None = None  # how often the access history is saved; default
@@ -85,6 +86,7 @@ class DiskTierOptions:
             top_k=int(self.ttl_groups),
             max_ttl_s=float(self.max_ttl_s),
             initial_ttl_s=float(self.initial_ttl_s),
+            pace_first_period=bool(self.pace_first_period),
             static_ttls=tuple(sorted((self.static_ttls or {}).items())),
         )
 

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP, SubtreeGrouping
 from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
-from sglang_hicache_ext.tuning.ttl.budget import average_pages
+from sglang_hicache_ext.tuning.ttl.budget import average_pages, paced_ttl
 from sglang_hicache_ext.tuning.ttl.history_file import SavedPlan, TtlHistory
 from sglang_hicache_ext.tuning.ttl.planner import (
     FixedTtlPlanner,
@@ -50,7 +50,10 @@ class OnlineTtlConfig:
     window_s: float = 3600.0
     top_k: int = 8
     max_ttl_s: float = 86_400.0
-    initial_ttl_s: float = 600.0  # until the first plan (and the default group of `static`)
+    initial_ttl_s: float = 600.0  # before any page size is known (and the default of `static`)
+    # Until the first plan, pace the TTL from the budget and the page write rate seen so far
+    # (Little's law, as the replay's first period) instead of keeping initial_ttl_s.
+    pace_first_period: bool = True
     static_ttls: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -176,6 +179,13 @@ class OnlineTtl:
             self._last_time = now
             self._recorder.record_request(now, pages)
             self._changes += 1
+            if self._pacing():
+                budget_pages = average_pages(self.config.disk_budget_bytes, self._bytes_per_page)
+                elapsed = now - self._window_start_s
+                writes = self._recorder.page_accesses
+                self.policy.update(
+                    TtlTable(paced_ttl(budget_pages, writes, elapsed, self.config.max_ttl_s))
+                )
             groups = self._grouping.groups_of_path(pages)
             for index, group in enumerate(groups):
                 self._accesses[group] += 1
@@ -184,6 +194,15 @@ class OnlineTtl:
                 elif index < device_pages + host_pages:
                     self._hits["host", group] += 1
         return groups
+
+    def _pacing(self) -> bool:
+        """Whether the TTL is still paced: no plan made or restored yet, page size known."""
+        return (
+            self.config.pace_first_period
+            and self.config.policy != "static"
+            and self._last_plan is None
+            and self._bytes_per_page > 0
+        )
 
     def record_disk_hits(self, groups: Sequence[str]) -> None:
         with self._lock:
