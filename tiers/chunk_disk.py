@@ -1,0 +1,268 @@
+"""Local-disk tier of precomputed chunks: one crash-safe file per chunk, a byte budget, LRU.
+
+Chunks survive a restart: opening the directory indexes every chunk file whose header verifies
+(stray temp files of an interrupted write are removed, files that fail their checks are deleted
+and counted), so a chunk registered before is found again by its key. Row checksums are checked
+on every read, dense or sparse; a chunk that fails is deleted, counted and reported as missing,
+never returned. A write that fails (disk full, I/O error) is logged and counted and leaves the
+tier as it was: the caller keeps the chunk in memory only.
+
+The last access time of a chunk is its file's mtime, so the LRU order also survives a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.tiers.chunk_file import (
+    CHUNK_SUFFIX,
+    ChunkFileHeader,
+    CorruptChunkError,
+    encode_chunk,
+    read_chunk,
+    read_header,
+    read_rows,
+)
+from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX, commit, fsync_directory, write_temp
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkDiskStats:
+    entries: int
+    bytes_used: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    write_errors: int
+    corrupt_dropped: int
+    bytes_read: int
+    interrupted_writes: int  # temp files of writes cut short (a crash), removed at open
+
+
+class _Entry(NamedTuple):
+    path: Path
+    nbytes: int
+    last_access: float
+
+
+class LayerRows(NamedTuple):
+    """Rows of one layer read from disk."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bytes_read: int
+
+
+class ChunkDiskTier:
+    """Thread-safe directory of chunk files under a byte budget (least recently used evicted)."""
+
+    def __init__(
+        self, directory: str | Path, capacity_bytes: int, clock: Callable[[], float] = time.time
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"chunk_disk_bytes must be positive, got {capacity_bytes}")
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"chunk_disk_dir {directory}: cannot create ({error})") from error
+        if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
+            raise ValueError(f"chunk_disk_dir {directory}: not readable and writable")
+        self.capacity_bytes = capacity_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._counts = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "evictions",
+                "write_errors",
+                "corrupt_dropped",
+                "bytes_read",
+                "interrupted_writes",
+            ),
+            0,
+        )
+        self._open()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def keys_by_recency(self) -> list[str]:
+        """Stored keys, least recently used first."""
+        with self._lock:
+            return [k for k, _ in sorted(self._entries.items(), key=lambda kv: kv[1].last_access)]
+
+    def stats(self) -> ChunkDiskStats:
+        with self._lock:
+            used = sum(entry.nbytes for entry in self._entries.values())
+            return ChunkDiskStats(len(self._entries), used, self.capacity_bytes, **self._counts)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(self, key: str, chunk: PrecomputedChunk) -> bool:
+        """Store `chunk` under `key`; False (logged, counted) if it cannot be written."""
+        header, rows = encode_chunk(key, chunk)
+        size = len(header) + len(rows)
+        if size > self.capacity_bytes:
+            self._failed_write(key, f"{size} bytes exceed the tier's {self.capacity_bytes}")
+            return False
+        path = self._path(key)
+        now = self._clock()
+        try:
+            temp = write_temp(path, header, rows, now)
+            commit(temp, path)
+            fsync_directory(self.directory)
+        except OSError as error:
+            self._failed_write(key, str(error))
+            return False
+        with self._lock:
+            self._entries[key] = _Entry(path, size, now)
+            victims = self._over_budget()
+        for victim in victims:
+            self._delete(victim)
+        return key in self
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get(self, key: str) -> PrecomputedChunk | None:
+        """The whole chunk, every row verified; None if absent or corrupt (then dropped)."""
+        entry = self._touch(key)
+        if entry is None:
+            return None
+        try:
+            chunk = read_chunk(entry.path, expected_key=key)
+        except (CorruptChunkError, OSError) as error:
+            self._drop_corrupt(key, error)
+            return None
+        self._add("bytes_read", entry.nbytes)
+        return chunk
+
+    def header(self, key: str) -> ChunkFileHeader | None:
+        """A chunk's verified header (tokens, geometry, scores) without its rows."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return None
+        try:
+            return read_header(entry.path)
+        except (CorruptChunkError, OSError) as error:
+            self._drop_corrupt(key, error)
+            return None
+
+    def read_layers(
+        self, key: str, header: ChunkFileHeader, rows: Sequence[int] | None
+    ) -> list[LayerRows] | None:
+        """`rows` (sorted; None: all) of every layer, verified; None if the chunk is gone or
+        corrupt (then dropped). Only those rows are read from the file."""
+        entry = self._touch(key)
+        if entry is None:
+            return None
+        try:
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                layers = [
+                    LayerRows(*read_rows(fd, header, layer, rows))
+                    for layer in range(header.num_layers)
+                ]
+            finally:
+                os.close(fd)
+        except (CorruptChunkError, OSError) as error:
+            self._drop_corrupt(key, error)
+            return None
+        self._add("bytes_read", sum(layer.bytes_read for layer in layers))
+        return layers
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            if key not in self._entries:
+                return False
+        self._delete(key)
+        return True
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        for temp in self.directory.glob(f".*{TEMP_SUFFIX}"):
+            temp.unlink(missing_ok=True)  # an interrupted write: never committed
+            self._counts["interrupted_writes"] += 1
+        for path in self.directory.glob(f"*{CHUNK_SUFFIX}"):
+            try:
+                header = read_header(path)
+                if self._path(header.key) != path:
+                    raise CorruptChunkError(f"{path}: holds {header.key[:12]}")
+            except (CorruptChunkError, OSError) as error:
+                self._counts["corrupt_dropped"] += 1
+                logger.warning("hicache_ext chunk disk: dropped %s (%s)", path.name, error)
+                path.unlink(missing_ok=True)
+                continue
+            self._entries[header.key] = _Entry(path, header.file_len, path.stat().st_mtime)
+        for victim in self._over_budget():
+            self._delete(victim)
+
+    def _path(self, key: str) -> Path:
+        if not key or not all(c in "0123456789abcdef" for c in key):
+            raise ValueError(f"chunk keys are lowercase hex content hashes, got {key[:40]!r}")
+        return self.directory / f"{key}{CHUNK_SUFFIX}"
+
+    def _touch(self, key: str) -> _Entry | None:
+        now = self._clock()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._counts["misses"] += 1
+                return None
+            self._counts["hits"] += 1
+            self._entries[key] = entry._replace(last_access=now)
+        with contextlib.suppress(OSError):  # only the LRU order after a restart depends on it
+            os.utime(entry.path, (now, now))
+        return entry
+
+    def _over_budget(self) -> list[str]:
+        """Keys to evict (least recently used first) to fit the budget; caller holds the lock."""
+        used = sum(entry.nbytes for entry in self._entries.values())
+        victims = []
+        for key, entry in sorted(self._entries.items(), key=lambda kv: kv[1].last_access):
+            if used <= self.capacity_bytes:
+                break
+            victims.append(key)
+            used -= entry.nbytes
+            self._counts["evictions"] += 1
+        return victims
+
+    def _delete(self, key: str) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+        if entry is not None:
+            entry.path.unlink(missing_ok=True)
+
+    def _drop_corrupt(self, key: str, error: Exception) -> None:
+        self._add("corrupt_dropped", 1)
+        logger.error("hicache_ext chunk disk: chunk %s dropped: %s", key[:12], error)
+        self._delete(key)
+
+    def _failed_write(self, key: str, reason: str) -> None:
+        self._add("write_errors", 1)
+        logger.error("hicache_ext chunk disk: chunk %s kept in memory only: %s", key[:12], reason)
+
+    def _add(self, name: str, amount: int) -> None:
+        with self._lock:
+            self._counts[name] += amount

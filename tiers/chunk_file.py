@@ -1,0 +1,246 @@
+"""On-disk format of one precomputed chunk, laid out so that a reader can fetch only some rows.
+
+Layout: fixed part | metadata (JSON) | row checksums | frequency scores | K/V rows.
+
+- fixed part: magic, version, metadata length, CRC32 of the metadata;
+- metadata: key, token ids, geometry, dtype, alpha, and the CRC32 of the checksum table and of
+  the scores (so a verified metadata block vouches for both);
+- row checksums: CRC32 of every token row of every layer, K and V apart ([2, layers, tokens]);
+- K/V rows: per layer, K as [tokens, kv_heads, key_dim] then V as [tokens, kv_heads, value_dim],
+  row-major, so the rows of one token in one layer are one contiguous run.
+
+Per-row checksums are what make sparse reads safe: a reader that loads 85 % of the rows verifies
+exactly those, instead of reading a whole layer to check one checksum. Files are written through
+`tiers/page_file.py`'s crash-safe path (temp file, fsync, atomic rename, directory fsync).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+
+MAGIC = b"HKVC"
+VERSION = 1
+CHUNK_SUFFIX = ".chunk"
+_FIXED = struct.Struct("<4sHII")  # magic, version, metadata length, metadata CRC32
+_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+}
+
+
+class CorruptChunkError(Exception):
+    """A chunk file is truncated, fails a checksum, or is not a chunk file."""
+
+
+@dataclass(frozen=True)
+class ChunkFileHeader:
+    """What a chunk file holds, and where each row lies (all verified when read)."""
+
+    key: str
+    token_ids: tuple[int, ...]
+    num_layers: int
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    alpha: float
+    row_crcs: np.ndarray  # uint32 [2, layers, tokens]: K rows then V rows
+    freq_scores: torch.Tensor  # float32 [layers, tokens]
+    data_offset: int
+    file_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def key_row_bytes(self) -> int:
+        return self.kv_heads * self.key_dim * self.dtype.itemsize
+
+    @property
+    def value_row_bytes(self) -> int:
+        return self.kv_heads * self.value_dim * self.dtype.itemsize
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.num_tokens * (self.key_row_bytes + self.value_row_bytes)
+
+    def key_offset(self, layer: int) -> int:
+        return self.data_offset + layer * self.layer_bytes
+
+    def value_offset(self, layer: int) -> int:
+        return self.key_offset(layer) + self.num_tokens * self.key_row_bytes
+
+
+def encode_chunk(key: str, chunk: PrecomputedChunk) -> tuple[bytes, bytes]:
+    """(header bytes, row bytes) of the file for `chunk` stored under `key`."""
+    dtype = chunk.keys[0].dtype
+    if str(dtype).removeprefix("torch.") not in _DTYPES:
+        raise ValueError(f"chunk dtype {dtype} cannot be stored (float32, float16, bfloat16)")
+    n, heads, key_dim = chunk.keys[0].shape
+    value_dim = chunk.values[0].shape[2]
+    layers: list[bytes] = []
+    crcs = np.empty((2, chunk.num_layers, n), dtype=np.uint32)
+    for layer, tensors in enumerate(zip(chunk.keys, chunk.values, strict=True)):
+        for side, tensor in enumerate(tensors):
+            data = _tensor_bytes(tensor.to(dtype))
+            row = len(data) // n
+            crcs[side, layer] = [zlib.crc32(data[i * row : (i + 1) * row]) for i in range(n)]
+            layers.append(data)
+    table = crcs.tobytes()
+    scores = _tensor_bytes(chunk.freq_scores.to(torch.float32))
+    meta = {
+        "key": key,
+        "token_ids": list(chunk.token_ids),
+        "num_layers": chunk.num_layers,
+        "kv_heads": int(heads),
+        "key_dim": int(key_dim),
+        "value_dim": int(value_dim),
+        "dtype": str(dtype).removeprefix("torch."),
+        "alpha": chunk.alpha,
+        "table_crc": zlib.crc32(table),
+        "scores_crc": zlib.crc32(scores),
+    }
+    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    fixed = _FIXED.pack(MAGIC, VERSION, len(meta_bytes), zlib.crc32(meta_bytes))
+    return fixed + meta_bytes + table + scores, b"".join(layers)
+
+
+def read_header(path: Path) -> ChunkFileHeader:
+    """Parse and verify everything but the rows; also checks the file's exact length."""
+    with open(path, "rb") as file:
+        fixed = file.read(_FIXED.size)
+        if len(fixed) != _FIXED.size:
+            raise CorruptChunkError(f"{path}: truncated header")
+        magic, version, meta_len, meta_crc = _FIXED.unpack(fixed)
+        if magic != MAGIC or version != VERSION:
+            raise CorruptChunkError(f"{path}: not a chunk file (bad magic or version)")
+        meta_bytes = file.read(meta_len)
+        if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
+            raise CorruptChunkError(f"{path}: metadata checksum mismatch")
+        try:
+            meta = json.loads(meta_bytes)
+            dtype = _DTYPES[meta["dtype"]]
+            layers, n = int(meta["num_layers"]), len(meta["token_ids"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise CorruptChunkError(f"{path}: unreadable metadata") from error
+        table = file.read(2 * layers * n * 4)
+        scores = file.read(layers * n * 4)
+        if zlib.crc32(table) != meta["table_crc"] or zlib.crc32(scores) != meta["scores_crc"]:
+            raise CorruptChunkError(f"{path}: checksum table or scores mismatch")
+        data_offset = file.tell()
+        file.seek(0, os.SEEK_END)
+        file_len = file.tell()
+    header = ChunkFileHeader(
+        key=meta["key"],
+        token_ids=tuple(int(t) for t in meta["token_ids"]),
+        num_layers=layers,
+        kv_heads=int(meta["kv_heads"]),
+        key_dim=int(meta["key_dim"]),
+        value_dim=int(meta["value_dim"]),
+        dtype=dtype,
+        alpha=float(meta["alpha"]),
+        row_crcs=np.frombuffer(table, dtype=np.uint32).reshape(2, layers, n),
+        freq_scores=torch.frombuffer(bytearray(scores), dtype=torch.float32).reshape(layers, n),
+        data_offset=data_offset,
+        file_len=file_len,
+    )
+    expected = data_offset + layers * header.layer_bytes
+    if file_len != expected:
+        raise CorruptChunkError(f"{path}: {file_len} bytes, header says {expected}")
+    return header
+
+
+def read_rows(
+    fd: int, header: ChunkFileHeader, layer: int, rows: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """K and V of `rows` (sorted token indices; None: all) of one layer, each row verified.
+
+    Returns (K [len(rows), heads, key_dim], V [len(rows), heads, value_dim], bytes read).
+    Consecutive rows are read with one `pread` per run.
+    """
+    n = header.num_tokens
+    wanted = list(range(n)) if rows is None else list(rows)
+    if any(b <= a for a, b in zip(wanted, wanted[1:], strict=False)) or (
+        wanted and not 0 <= wanted[0] <= wanted[-1] < n
+    ):
+        raise ValueError(f"rows must be sorted, distinct and within [0, {n})")
+    keys = _read_side(fd, header, layer, wanted, 0)
+    values = _read_side(fd, header, layer, wanted, 1)
+    shape_k = (len(wanted), header.kv_heads, header.key_dim)
+    shape_v = (len(wanted), header.kv_heads, header.value_dim)
+    return (
+        _tensor_of(keys, header.dtype, shape_k),
+        _tensor_of(values, header.dtype, shape_v),
+        len(keys) + len(values),
+    )
+
+
+def read_chunk(path: Path, expected_key: str | None = None) -> PrecomputedChunk:
+    """The whole chunk, every row verified."""
+    header = read_header(path)
+    if expected_key is not None and header.key != expected_key:
+        raise CorruptChunkError(f"{path}: holds {header.key[:12]}, expected {expected_key[:12]}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        layers = [read_rows(fd, header, layer)[:2] for layer in range(header.num_layers)]
+    finally:
+        os.close(fd)
+    return PrecomputedChunk(
+        token_ids=header.token_ids,
+        keys=tuple(k for k, _ in layers),
+        values=tuple(v for _, v in layers),
+        freq_scores=header.freq_scores.clone(),
+        alpha=header.alpha,
+    )
+
+
+def _read_side(
+    fd: int, header: ChunkFileHeader, layer: int, rows: list[int], side: int
+) -> bytearray:
+    row_bytes = header.key_row_bytes if side == 0 else header.value_row_bytes
+    base = header.key_offset(layer) if side == 0 else header.value_offset(layer)
+    crcs = header.row_crcs[side, layer]
+    out = bytearray()
+    for first, count in _runs(rows):
+        data = os.pread(fd, count * row_bytes, base + first * row_bytes)
+        if len(data) != count * row_bytes:
+            raise CorruptChunkError(f"layer {layer}: short read")
+        for i in range(count):
+            if zlib.crc32(data[i * row_bytes : (i + 1) * row_bytes]) != crcs[first + i]:
+                side_name = "K" if side == 0 else "V"
+                raise CorruptChunkError(f"layer {layer} {side_name} row {first + i}: bad checksum")
+        out += data
+    return out
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted rows as (first, count) runs of consecutive indices."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and runs[-1][0] + runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((row, 1))
+    return runs
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _tensor_of(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
