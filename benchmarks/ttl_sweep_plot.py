@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TRACES = ("conversation", "chat", "bursty", "uniform", "agent")
+TRACES = ("conversation", "production-like", "chat", "bursty", "uniform", "agent")
 POLICIES = ("fixed", "group", "group+fallback")
 
 

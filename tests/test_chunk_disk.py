@@ -19,6 +19,7 @@ import torch
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.tiers import chunk_disk
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunk_file import ChunkTensors
 
 
 def make_chunk(
@@ -39,7 +40,8 @@ def make_chunk(
     )
 
 
-def assert_same(a: PrecomputedChunk, b: PrecomputedChunk) -> None:
+def assert_same(stored: ChunkTensors, b: PrecomputedChunk) -> None:
+    a = PrecomputedChunk(*stored)  # the fusion core's type rebuilds from what storage returns
     assert a.token_ids == b.token_ids and a.alpha == b.alpha
     assert torch.equal(a.freq_scores, b.freq_scores)
     for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values), strict=True):
@@ -182,6 +184,7 @@ _WRITER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_chunk_disk import make_chunk
     from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunk_file import ChunkTensors
     tier = ChunkDiskTier({directory!r}, 10**9)
     print("ready", flush=True)
     seed = 0

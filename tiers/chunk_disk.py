@@ -24,10 +24,11 @@ from typing import NamedTuple
 
 import torch
 
-from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.tiers.chunk_file import (
     CHUNK_SUFFIX,
     ChunkFileHeader,
+    ChunkLike,
+    ChunkTensors,
     CorruptChunkError,
     encode_chunk,
     read_chunk,
@@ -118,7 +119,7 @@ class ChunkDiskTier:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(self, key: str, chunk: PrecomputedChunk) -> bool:
+    def put(self, key: str, chunk: ChunkLike) -> bool:
         """Store `chunk` under `key`; False (logged, counted) if it cannot be written."""
         header, rows = encode_chunk(key, chunk)
         size = len(header) + len(rows)
@@ -143,7 +144,7 @@ class ChunkDiskTier:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def get(self, key: str) -> PrecomputedChunk | None:
+    def get(self, key: str) -> ChunkTensors | None:
         """The whole chunk, every row verified; None if absent or corrupt (then dropped)."""
         entry = self._touch(key)
         if entry is None:

@@ -23,11 +23,10 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
-
-from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 
 MAGIC = b"HKVC"
 VERSION = 1
@@ -37,6 +36,32 @@ _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (torch.float32, torch.float16, torch.bfloat16)
 }
+
+
+class ChunkLike(Protocol):
+    """What a stored chunk is made of (`fusion.chunk.PrecomputedChunk` is one)."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def keys(self) -> tuple[torch.Tensor, ...]: ...
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]: ...
+    @property
+    def freq_scores(self) -> torch.Tensor: ...
+    @property
+    def alpha(self) -> float: ...
+
+
+class ChunkTensors(NamedTuple):
+    """A chunk read back: the fields of `fusion.chunk.PrecomputedChunk`, in its order (storage
+    does not import fusion; `PrecomputedChunk(*tensors)` rebuilds one)."""
+
+    token_ids: tuple[int, ...]
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    freq_scores: torch.Tensor
+    alpha: float
 
 
 class CorruptChunkError(Exception):
@@ -83,15 +108,16 @@ class ChunkFileHeader:
         return self.key_offset(layer) + self.num_tokens * self.key_row_bytes
 
 
-def encode_chunk(key: str, chunk: PrecomputedChunk) -> tuple[bytes, bytes]:
+def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
     """(header bytes, row bytes) of the file for `chunk` stored under `key`."""
     dtype = chunk.keys[0].dtype
     if str(dtype).removeprefix("torch.") not in _DTYPES:
         raise ValueError(f"chunk dtype {dtype} cannot be stored (float32, float16, bfloat16)")
     n, heads, key_dim = chunk.keys[0].shape
     value_dim = chunk.values[0].shape[2]
+    num_layers = len(chunk.keys)
     layers: list[bytes] = []
-    crcs = np.empty((2, chunk.num_layers, n), dtype=np.uint32)
+    crcs = np.empty((2, num_layers, n), dtype=np.uint32)
     for layer, tensors in enumerate(zip(chunk.keys, chunk.values, strict=True)):
         for side, tensor in enumerate(tensors):
             data = _tensor_bytes(tensor.to(dtype))
@@ -103,7 +129,7 @@ def encode_chunk(key: str, chunk: PrecomputedChunk) -> tuple[bytes, bytes]:
     meta = {
         "key": key,
         "token_ids": list(chunk.token_ids),
-        "num_layers": chunk.num_layers,
+        "num_layers": num_layers,
         "kv_heads": int(heads),
         "key_dim": int(key_dim),
         "value_dim": int(value_dim),
@@ -187,7 +213,7 @@ def read_rows(
     )
 
 
-def read_chunk(path: Path, expected_key: str | None = None) -> PrecomputedChunk:
+def read_chunk(path: Path, expected_key: str | None = None) -> ChunkTensors:
     """The whole chunk, every row verified."""
     header = read_header(path)
     if expected_key is not None and header.key != expected_key:
@@ -197,7 +223,7 @@ def read_chunk(path: Path, expected_key: str | None = None) -> PrecomputedChunk:
         layers = [read_rows(fd, header, layer)[:2] for layer in range(header.num_layers)]
     finally:
         os.close(fd)
-    return PrecomputedChunk(
+    return ChunkTensors(
         token_ids=header.token_ids,
         keys=tuple(k for k, _ in layers),
         values=tuple(v for _, v in layers),

@@ -70,6 +70,20 @@ SHAPES: dict[str, TraceShape] = {
     "bursty": TraceShape(burst_factor=4.0, drift_every_s=900.0, gap_spread=0.8, seed=1),
     # Few apps, all alike: groups carry no information a single TTL lacks.
     "uniform": TraceShape(apps=20, app_skew=0.0, gap_spread=0.0, seed=2),
+    # Knobs fitted to the conversation trace's statistics (benchmarks/trace_shapes.py): ~24
+    # blocks per request, ~38 % of accesses reuses, median reuse interval ~100 s, top 1 % of
+    # blocks ~13 % of accesses.
+    "production-like": TraceShape(
+        requests_per_s=3.3,
+        apps=1000,
+        app_skew=0.8,
+        app_blocks=2,
+        session_turns=1.5,
+        turn_gap_s=180.0,
+        gap_sigma=0.8,
+        new_blocks=14.0,
+        seed=5,
+    ),
     # Agent-like: long shared prompts, short quick sessions, a few hot apps.
     "agent": TraceShape(
         apps=40,
