@@ -33,6 +33,33 @@ def test_simulated_disk_evicts_the_soonest_expiring_at_capacity() -> None:
     assert disk.access("long", expiry=100.0, now=4.0)
 
 
+@pytest.mark.parametrize("capacity", [math.inf, 2])
+def test_forgetting_expired_pages_changes_no_outcome(capacity: float) -> None:
+    disk, twin = SimulatedDisk(capacity), SimulatedDisk(capacity)
+    accesses = [("a", 5.0, 0.0), ("b", 50.0, 1.0), ("c", 3.0, 2.0), ("a", 20.0, 10.0)]
+    accesses += [("c", 30.0, 11.0), ("b", 60.0, 12.0), ("d", 40.0, 13.0), ("c", 30.0, 14.0)]
+    outcomes, twin_outcomes = [], []
+    for page, expiry, now in accesses:
+        outcomes.append(disk.access(page, expiry, now))
+        twin.forget_expired(now)
+        twin_outcomes.append(twin.access(page, expiry, now))
+    assert outcomes == twin_outcomes and disk.evictions == twin.evictions
+    twin.forget_expired(45.0)
+    assert len(twin) == 1  # only "b" (expiry 60) is still live
+    with pytest.raises(ValueError, match="segments"):
+        SimulatedDisk(keep_segments=True).forget_expired(0.0)
+
+
+def test_a_page_that_expired_and_returns_is_counted_once() -> None:
+    disk = SimulatedDisk(capacity_pages=2)
+    disk.access("a", expiry=5.0, now=0.0)
+    disk.access("b", expiry=50.0, now=1.0)
+    disk.access("a", expiry=20.0, now=10.0)  # "a" expired at 5: resident again, not twice
+    assert disk.evictions == 0
+    disk.access("c", expiry=30.0, now=11.0)  # now three live pages for two places
+    assert disk.evictions == 1 and not disk.access("a", expiry=40.0, now=12.0)
+
+
 def _planners(groups: int = 8) -> tuple[FixedTtlPlanner, GroupTtlPlanner]:
     return FixedTtlPlanner(3600.0), GroupTtlPlanner(
         groups, 3600.0, validation_fraction=0.0, shrink_events=0.0

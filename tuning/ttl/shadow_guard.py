@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -111,17 +112,24 @@ class ShadowGuardPlanner(TtlPlanner):
         self._period_ends: list[float] = []
         self._period_hits: list[list[int]] = []  # per period, each shadow's hits
         self._leader = 0
+        self._lock = threading.Lock()  # a live server may re-plan on request and on schedule
 
     def plan(
+        self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
+    ) -> PlannedTtls:
+        with self._lock:
+            return self._plan(recorder, start_s, end_s, budget_pages)
+
+    def _plan(
         self, recorder: AccessRecorder, start_s: float, end_s: float, budget_pages: float
     ) -> PlannedTtls:
         if not self._shadows:
             capacity = self.capacity_factor * budget_pages
             self._shadows = [_Shadow(planner, capacity) for planner in self._candidates]
             self._backtest(recorder, start_s, end_s, budget_pages)
-        else:
+        elif end_s > self._fed_until_s:  # (a re-plan at the same time has nothing new to feed)
             self._feed(_since(recorder.requests(), self._fed_until_s, end_s), end_s)
-        self._fed_until_s = end_s
+        self._fed_until_s = max(self._fed_until_s, end_s)
         self._leader = self._choose(end_s)
         for shadow in self._shadows:
             shadow.planned = shadow.planner.plan(recorder, start_s, end_s, budget_pages)
@@ -157,6 +165,11 @@ class ShadowGuardPlanner(TtlPlanner):
         self._accesses += sum(len(pages) for _, pages in requests)
         self._period_ends.append(end_s)
         self._period_hits.append([shadow.feed(requests) for shadow in self._shadows])
+        for shadow in self._shadows:
+            shadow.disk.forget_expired(end_s)
+        # Periods older than 30 half-lives weigh < 1e-9: forget them (bounded memory).
+        keep = bisect.bisect_left(self._period_ends, end_s - 30 * self.half_life_s)
+        del self._period_ends[:keep], self._period_hits[:keep]
 
     def _lead(self, challenger: int, now_s: float) -> tuple[float, float]:
         """(mean lead / its standard error, mean lead / mean baseline hits), decayed by age."""

@@ -42,10 +42,30 @@ class SimulatedDisk:
         if previous is not None and self._keep_segments:
             self._seg_start.append(previous[0])
             self._seg_end.append(min(previous[1], now))
+        if not math.isinf(self.capacity_pages):
+            # Account the pages that expired by now *before* this page's entry changes: its own
+            # old heap entry must still match it to be counted as gone.
+            self._expire(now)
         self._pages[page] = (now, expiry)
         if not math.isinf(self.capacity_pages):
             self._written(page, previous, expiry, now)
         return live
+
+    def __len__(self) -> int:
+        """Pages remembered (live, or expired and not yet forgotten)."""
+        return len(self._pages)
+
+    def forget_expired(self, now: float) -> None:
+        """Drop pages expired before `now`: their next access is a miss either way. Keeps a
+        long-running simulation (a live server's shadow) from growing with every page ever seen;
+        not for a disk that keeps residency segments (they need each page's last access)."""
+        if self._keep_segments:
+            raise ValueError("a disk that keeps residency segments cannot forget pages")
+        if not math.isinf(self.capacity_pages):
+            self._expire(now)  # account them first: no live heap entry is left behind
+        self._pages = {
+            page: entry for page, entry in self._pages.items() if TtlPolicy.is_live(entry[1], now)
+        }
 
     def segments(self, end_s: float) -> tuple[np.ndarray, np.ndarray]:
         """Residency segments so far, the open ones closed at min(expiry, `end_s`)."""
@@ -56,7 +76,6 @@ class SimulatedDisk:
     def _written(
         self, page: str, previous: tuple[float, float] | None, expiry: float, now: float
     ) -> None:
-        self._expire(now)
         was_resident = previous is not None and previous[1] >= now
         if expiry < now:  # kept for no time at all: not resident
             self._resident -= was_resident
@@ -67,16 +86,18 @@ class SimulatedDisk:
         heapq.heappush(self._heap, (expiry, page))
         while self._resident > self.capacity_pages:
             soonest, victim = heapq.heappop(self._heap)
-            if self._pages[victim][1] != soonest:
-                continue  # refreshed since: a stale entry
+            entry = self._pages.get(victim)
+            if entry is None or entry[1] != soonest:
+                continue  # refreshed (or forgotten) since: a stale entry
             # Moving the expiry to just before now ends its residency and makes its next
             # access a miss.
-            self._pages[victim] = (self._pages[victim][0], float(np.nextafter(now, -np.inf)))
+            self._pages[victim] = (entry[0], float(np.nextafter(now, -np.inf)))
             self._resident -= 1
             self.evictions += 1
 
     def _expire(self, now: float) -> None:
         while self._heap and self._heap[0][0] < now:
             expiry, page = heapq.heappop(self._heap)
-            if self._pages[page][1] == expiry:
+            entry = self._pages.get(page)
+            if entry is not None and entry[1] == expiry:
                 self._resident -= 1
