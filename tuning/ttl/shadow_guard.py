@@ -51,6 +51,14 @@ class _Shadow:
         self.disk = SimulatedDisk(capacity_pages)
         self.planned: PlannedTtls | None = None
         self.hits = 0
+        self._size_after_forget = 0
+
+    def forget_expired(self, now: float) -> None:
+        """Drop expired pages once the disk's memory has doubled since the last time (amortised
+        O(1) per access; a pass every period would copy every live page every period)."""
+        if len(self.disk) > 2 * max(self._size_after_forget, 4096):
+            self.disk.forget_expired(now)
+            self._size_after_forget = len(self.disk)
 
     def feed(self, requests: Requests) -> int:
         """Run `requests` through this candidate's current plan; the hits they earned."""
@@ -166,7 +174,7 @@ class ShadowGuardPlanner(TtlPlanner):
         self._period_ends.append(end_s)
         self._period_hits.append([shadow.feed(requests) for shadow in self._shadows])
         for shadow in self._shadows:
-            shadow.disk.forget_expired(end_s)
+            shadow.forget_expired(end_s)
         # Periods older than 30 half-lives weigh < 1e-9: forget them (bounded memory).
         keep = bisect.bisect_left(self._period_ends, end_s - 30 * self.half_life_s)
         del self._period_ends[:keep], self._period_hits[:keep]
