@@ -77,12 +77,18 @@ def hicache_server(
 
 
 def disk_tier_config(model_path: Path, disk_dir: Path, **options: object) -> ServerConfig:
-    """SmolLM2 with our disk tier: 2 GB, group TTLs over 2 groups, plans triggered by the tests."""
+    """SmolLM2 with our disk tier: 2 GB, group TTLs over 2 groups, plans triggered by the tests.
+
+    `group-always` publishes the group plan at every re-plan: these tests check what groups do
+    on a live server (pages carry them, TTLs follow them). The default `group` policy publishes
+    groups only after its shadow disks have shown over several periods that they earn more
+    hits than one TTL (tests/test_ttl_shadow_guard.py; `ttl_guard_status` below on a server).
+    """
     extra = disk_tier_extra_config(
         disk_dir,
         **{
             "capacity_bytes": 2e9,
-            "ttl_policy": "group",
+            "ttl_policy": "group-always",
             "ttl_groups": 2,
             "ttl_period_s": 3600,
             "purge_interval_s": 0.5,

@@ -184,7 +184,6 @@ _WRITER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_chunk_disk import make_chunk
     from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_file import ChunkTensors
     tier = ChunkDiskTier({directory!r}, 10**9)
     print("ready", flush=True)
     seed = 0

@@ -68,7 +68,9 @@ def test_history_survives_a_restart_and_a_second_server_is_refused(
         assert requests.get(f"{first.url}/health", timeout=30).status_code == 200  # unharmed
         print(f"\nsecond server ({refused_in_s:.1f} s, exit {refused.returncode}): {errors[0]}")
 
-    with running_server(_config(smollm2_path, disk_dir), tmp_path / "again.log") as again:
+    # Restarted with the default policy: group TTLs behind the shadow guard.
+    restarted = disk_tier_config(smollm2_path, disk_dir, ttl_history_save_s=1, ttl_policy="group")
+    with running_server(restarted, tmp_path / "again.log") as again:
         after = _status(again.url)
         history = after["ttl_history"]
         assert history["load_error"] is None, history
@@ -76,11 +78,20 @@ def test_history_survives_a_restart_and_a_second_server_is_refused(
         assert history["reloaded_requests"] == 6
         assert after["ttl"]["window_page_accesses"] == recorded
         assert after["errors"]["history_load_errors"] == 0
-        # The first plan after the restart sees the two hot documents from before it.
+        assert history["reloaded_plan"] is False  # made by another policy (group-always)
+        # The first plan after the restart sees the two hot documents from before it: the group
+        # candidate plans two subtree groups from the reloaded accesses. The guard still
+        # publishes one TTL: a few seconds of history are one period, no evidence either way.
         plan = _set_ttls(again.url, {"replan": True})
-        assert plan["replanned"] and plan["ttl"]["last_plan"]["groups"] == 2, plan
+        assert plan["replanned"], plan
+        ttl = plan["ttl"]
+        assert ttl["last_plan"]["choice"] == "fixed (shadow)", ttl["last_plan"]
+        assert list(ttl["ttls"]) == ["default"], ttl["ttls"]
+        shadows = {shadow["name"]: shadow for shadow in ttl["shadows"]}
+        assert shadows["group"]["groups"] == 2 and shadows["fixed"]["groups"] == 0, shadows
+        assert all(shadow["lead"] == 0.0 for shadow in shadows.values()), shadows
         print(
             f"page accesses recorded before the stop {recorded}, reloaded after the restart "
             f"{history['reloaded_page_accesses']}; first plan after it: "
-            f"{plan['ttl']['last_plan']['groups']} subtree groups"
+            f"{ttl['last_plan']['choice']}, group candidate {shadows['group']['groups']} groups"
         )

@@ -394,6 +394,11 @@ class OnlineTtl:
                 "window_page_accesses": self._recorder.page_accesses,
                 "restored_plan_at_s": self._restored_plan_at_s,
                 "record_errors": self._record_errors,
+                # The guard's evidence: each candidate's simulated-disk hits and its lead over
+                # one TTL (in standard errors; it takes over above the guard's z).
+                "shadows": [score._asdict() for score in self._planner.scores()]
+                if isinstance(self._planner, ShadowGuardPlanner)
+                else None,
                 "hit_ratio": overall,
                 "hit_ratio_by_group": hit_ratio,
             }

@@ -41,6 +41,7 @@ class ShadowScore(NamedTuple):
     hits: int
     accesses: int
     lead: float  # recent mean of (its hits - baseline hits) per period, over its standard error
+    groups: int  # subtree groups in its current plan (0: one TTL, or no plan yet)
 
 
 class _Shadow:
@@ -151,7 +152,13 @@ class ShadowGuardPlanner(TtlPlanner):
         """Every candidate's shadow so far (empty before the first plan)."""
         now = self._fed_until_s if now_s is None else now_s
         return [
-            ShadowScore(s.planner.name, s.hits, self._accesses, self._lead(i, now)[0])
+            ShadowScore(
+                s.planner.name,
+                s.hits,
+                self._accesses,
+                self._lead(i, now)[0],
+                len(s.planned.grouping.top_subtrees) if s.planned is not None else 0,
+            )
             for i, s in enumerate(self._shadows)
         ]
 
