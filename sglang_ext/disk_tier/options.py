@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from sglang_hicache_ext.tuning.ttl.online import OnlineTtlConfig
+from sglang_hicache_ext.tuning.ttl.online_config import OnlineTtlConfig
 
 BACKEND_NAME = "hicache_ext_disk"
 # What SGLang's dynamic factory imports: `storage_backend.GroupTTLDiskStorage`.
