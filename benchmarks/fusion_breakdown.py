@@ -50,8 +50,8 @@ from benchmarks.prefill_flops import DecoderShape, PrefillWork, fused_work, norm
 from benchmarks.smollm2_server import MODEL, RESULTS
 from benchmarks.stage_timer import StageTimer
 from sglang_hicache_ext.fusion import adapter as adapter_module
-from sglang_hicache_ext.fusion import chunk_hash, precompute_chunk
 from sglang_hicache_ext.fusion import executor as installed_executor
+from sglang_hicache_ext.fusion import precompute_chunk
 from sglang_hicache_ext.fusion.request import Segment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.selectors import FullSelector, Selector, make_selector
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
@@ -128,8 +128,7 @@ class Request:
         self.registry = ChunkRegistry(2**31, adapter.rope_spec)
         for doc in docs:
             tokens = tokenizer.encode(doc, add_special_tokens=False)
-            self.registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
-            self.registry.index.add(chunk_hash(tokens), tokens)
+            self.registry.add(precompute_chunk(adapter, tokens))
         shape, n = adapter.shape, len(self.ids)
         slots = n + 256
         self.pool_k = [
@@ -160,13 +159,13 @@ def run_once(
     if normal:
         segments: list[Segment] = [TextSegment(tuple(request.ids))]
     else:
-        segments, pinned = pinned_chunk_segments(request.registry, request.ids)
+        segments, pinned, _ = pinned_chunk_segments(request.registry, request.ids)
     try:
         result = executor.fused_prefill(adapter, segments, selector, return_kv=True)
         write_pool(request, result.kv)
     finally:
         for chunk_id in pinned:
-            request.registry.store.unpin(chunk_id)
+            request.registry.unpin(chunk_id)
     return clock() - began, result
 
 
@@ -249,9 +248,9 @@ def work_of(
     name = mode.split("@")[0]
     if name == "normal":
         return normal_work(shape, n)
-    segments, pinned = pinned_chunk_segments(request.registry, request.ids)
+    segments, pinned, _ = pinned_chunk_segments(request.registry, request.ids)
     for chunk_id in pinned:
-        request.registry.store.unpin(chunk_id)
+        request.registry.unpin(chunk_id)
     layout = build_layout(segments)
     active = ~layout.is_chunk
     active[-1] = True

@@ -52,7 +52,7 @@ from sglang_hicache_ext.evaluation.fused_answers import (
 )
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
-from sglang_hicache_ext.fusion import chunk_hash, make_selector, precompute_chunk
+from sglang_hicache_ext.fusion import make_selector, precompute_chunk
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.request import Segment
@@ -99,8 +99,7 @@ def question_segments(
     registry = ChunkRegistry(2**34, adapter.rope_spec)
     for paragraph in paragraphs:
         tokens = tokenizer.encode(paragraph, add_special_tokens=False)
-        registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
-        registry.index.add(chunk_hash(tokens), tokens)
+        registry.add(precompute_chunk(adapter, tokens))
     return pinned_chunk_segments(registry, ids)[0]
 
 

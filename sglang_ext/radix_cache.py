@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,9 +20,11 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     CONTROL_PREFIX,
     ChunkRegistry,
+    chunk_namespace,
     registration_id,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -165,7 +168,36 @@ def _chunk_registry(
         rope = rope_spec_from_config(ctx.model_config.hf_config)
     except (ValueError, AttributeError, KeyError) as err:
         return None, f"cannot recover RoPE positions for this model: {err}"
-    return ChunkRegistry(settings.chunk_store_bytes, rope), ""
+    disk = None
+    if "disk" in settings.chunk_tier_names:
+        assert settings.chunk_disk_dir is not None  # the settings check both or neither
+        disk = ChunkDiskTier(
+            chunk_disk_directory(settings.chunk_disk_dir, ctx.model_config, ctx.server_args),
+            settings.chunk_disk_bytes,
+        )
+        logger.info(
+            "hicache_ext chunk disk tier: %s (%d chunks, budget %d bytes)",
+            disk.directory,
+            disk.stats().entries,
+            settings.chunk_disk_bytes,
+        )
+    return ChunkRegistry(settings.chunk_store_bytes, rope, disk=disk), ""
+
+
+def chunk_disk_directory(chunk_disk_dir: str, model_config: Any, server_args: Any) -> Path:
+    """`chunk_disk_dir/chunks/<model>-<hash of what shapes its KV>`."""
+    identity = "\n".join(
+        (
+            str(getattr(model_config, "revision", None)),
+            str(getattr(model_config, "dtype", None)),
+            str(getattr(server_args, "kv_cache_dtype", None)),
+            model_config.hf_config.to_json_string(),
+        )
+    )
+    model_path = str(model_config.model_path)
+    if Path(model_path).expanduser().exists():  # a folder, not a hub id: the same from any cwd
+        model_path = str(Path(model_path).expanduser().absolute())
+    return Path(chunk_disk_dir).expanduser() / "chunks" / chunk_namespace(model_path, identity)
 
 
 def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:

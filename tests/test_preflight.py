@@ -15,11 +15,17 @@ import pytest
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port
 from sglang_hicache_ext.sglang_ext.server.preflight import (
     PreflightError,
+    check_chunk_disk,
     check_disk_tier,
     check_model_path,
     check_port_free,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import CONFIG_ENV_VAR, EXTRA_CONFIG_KEY
+from sglang_hicache_ext.sglang_ext.server.settings import (
+    CONFIG_ENV_VAR,
+    EXTRA_CONFIG_KEY,
+    ExtensionSettings,
+    SettingsError,
+)
 from tests.server_processes import TCP_TIME_WAIT, tcp_states_on_port
 
 
@@ -154,7 +160,11 @@ DISK_TIER = {
     [
         ({**DISK_TIER, "ttl_polcy": "group"}, "hicache_ext", "unknown option(s) ttl_polcy"),
         ({**DISK_TIER, "interface_v1": 0}, "hicache_ext", '"interface_v1": 1'),
-        ({**DISK_TIER, "ttl_policy": "lru"}, "hicache_ext", "not one of group, group-always, fixed, static"),
+        (
+            {**DISK_TIER, "ttl_policy": "lru"},
+            "hicache_ext",
+            "not one of group, group-always, fixed, static",
+        ),
         ({**DISK_TIER, "capacity_bytes": 0}, "hicache_ext", "capacity_bytes must be > 0"),
         (DISK_TIER, None, "needs --radix-cache-backend hicache_ext"),
         (
@@ -176,3 +186,54 @@ def test_disk_tier_good_options_and_other_backends_pass(tmp_path: Path) -> None:
     check_disk_tier(_disk_tier_args({**DISK_TIER, "disk_dir": str(tmp_path), "ttl_groups": 4}))
     other = {"backend_name": "x", "module_path": "elsewhere", "class_name": "X", "any": 1}
     check_disk_tier(_disk_tier_args(other, radix=None))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"chunk_tiers": ["host", "ssd"]},
+            "chunk_tiers: 'ssd' is unknown; choose from 'host', 'disk' or 'mooncake'",
+        ),
+        ({"chunk_tiers": ["disk"]}, "must start with 'host'"),
+        (
+            {"chunk_tiers": ["host", "disk"]},
+            "chunk_tiers names 'disk' but chunk_disk_dir is not set",
+        ),
+        ({"chunk_tiers": ["host"], "chunk_disk_dir": "/tmp/c"}, "chunk_tiers leaves out 'disk'"),
+        ({"chunk_disk_bytes": -1}, "chunk_disk_bytes = -1 must be positive"),
+    ],
+)
+def test_bad_chunk_tier_settings_are_one_line(values: dict[str, object], message: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        ExtensionSettings(**values)
+
+
+def test_chunk_disk_dir_must_be_a_usable_directory(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(
+        PreflightError, match=re.escape(f"chunk_disk_dir {a_file} is not a directory")
+    ):
+        check_chunk_disk(ExtensionSettings(chunk_disk_dir=str(a_file)))
+    under_a_file = a_file / "chunks"
+    with pytest.raises(
+        PreflightError, match=re.escape(f"chunk_disk_dir {under_a_file}: cannot use it")
+    ):
+        check_chunk_disk(ExtensionSettings(chunk_disk_dir=str(under_a_file)))
+    check_chunk_disk(ExtensionSettings(chunk_disk_dir=str(tmp_path / "new")))  # created
+    assert (tmp_path / "new").is_dir()
+    assert ExtensionSettings(chunk_disk_dir=str(tmp_path)).chunk_tier_names == ("host", "disk")
+    assert ExtensionSettings().chunk_tier_names == ("host",)
+
+
+@pytest.mark.server
+def test_launch_with_unknown_chunk_tier(tiny_llama_path: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "ext.json"
+    bad.write_text(json.dumps({"chunk_tiers": ["host", "nvme"], "chunk_disk_dir": str(tmp_path)}))
+    result = _launch(
+        ServerConfig(model_path=str(tiny_llama_path), port=free_port()), {CONFIG_ENV_VAR: str(bad)}
+    )
+    _assert_clear_error(
+        result, "chunk_tiers: 'nvme' is unknown; choose from 'host', 'disk' or 'mooncake'"
+    )

@@ -1,7 +1,10 @@
-"""A server restarted 1 s after `kill -9` starts on the same port (no false "port in use")."""
+"""A server restarted 1 s after `kill -9` starts on the same port (no false "port in use"), and
+finds the chunks registered before on its chunk disk tier: fused requests hit them without a
+new registration and answer exactly as before the crash."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,9 +20,58 @@ from tests.server_processes import TCP_LISTEN, server_process_group, tcp_states_
 pytestmark = pytest.mark.server
 
 
+DOCUMENTS = [
+    f"Record {topic}: "
+    + " ".join(f"the {topic} entry {i} was filed in {1900 + i}." for i in range(12))
+    for topic in ("lighthouses", "glaciers", "orchards")
+]
+PROMPT = "Documents:\n" + "\n".join(DOCUMENTS[::-1]) + "\nQuestion: which entry is oldest?\nAnswer:"
+
+
+def _fused(url: str) -> tuple[list[int], dict]:
+    response = requests.post(
+        url + "/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 8,
+                "temperature": 0,
+                "custom_params": {"fusion": True, "fusion_recompute_ratio": 0.15},
+            },
+        },
+        timeout=300,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    (info,) = body["meta_info"]["hicache_ext_fusion"]
+    return body["output_ids"], info
+
+
+def _chunks(url: str) -> dict:
+    response = requests.get(url + "/chunks", timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) -> None:
-    config = ServerConfig(model_path=str(tiny_llama_path), port=free_port(), max_total_tokens=2048)
+    settings = tmp_path / "hicache_ext.json"
+    settings.write_text(json.dumps({"chunk_disk_dir": str(tmp_path / "chunk-disk")}))
+    config = ServerConfig(
+        model_path=str(tiny_llama_path),
+        port=free_port(),
+        max_total_tokens=2048,
+        env={"SGLANG_HICACHE_EXT_CONFIG": str(settings)},
+    )
     with running_server(config, log_path=tmp_path / "first.log"):
+        ids = []
+        for document in DOCUMENTS:
+            created = requests.post(config.url + "/chunks", json={"text": document}, timeout=120)
+            assert created.status_code == 200, created.text
+            ids.append(created.json()["id"])
+        listed = _chunks(config.url)
+        assert {c["id"]: c["tiers"] for c in listed["chunks"]} == {i: ["host", "disk"] for i in ids}
+        before, info = _fused(config.url)
+        assert info["fused"] and info["chunks_by_tier"] == {"host": 3}, info
         # A keep-alive connection that has served a request, as a live server has.
         session = requests.Session()
         response = session.post(
@@ -40,7 +92,20 @@ def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) 
     restarted_at = time.monotonic()
     with running_server(config, log_path=tmp_path / "second.log", startup_timeout_s=180):
         assert requests.get(config.url + "/health", timeout=10).status_code == 200
+        healthy_s = time.monotonic() - restarted_at
+        listed = _chunks(config.url)
+        assert {c["id"]: c["tier"] for c in listed["chunks"]} == dict.fromkeys(ids, "disk")
+        assert listed["stats"]["restored_from_disk"] == 3
+        after, info = _fused(config.url)  # no registration since the restart
+        assert info["fused"] and info["chunks_by_tier"] == {"disk": 3}, info
+        assert after == before
+        _, again = _fused(config.url)
+        assert again["chunks_by_tier"] == {"host": 3}  # promoted by the first read
+        stats = _chunks(config.url)["stats"]
+        assert stats["hits_by_tier"] == {"host": 3, "disk": 3, "miss": 0}, stats
+        assert stats["disk"]["corrupt_dropped"] == 0
         print(
             f"\nrestart {restarted_at - killed_at:.1f} s after kill -9 (sockets left on the port: "
-            f"{leftovers}): healthy after {time.monotonic() - restarted_at:.0f} s"
+            f"{leftovers}): healthy after {healthy_s:.0f} s; 3 chunks found on disk, fused "
+            f"output equal to before the kill: {after == before}"
         )

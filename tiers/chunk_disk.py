@@ -77,6 +77,9 @@ class ChunkDiskTier:
         if capacity_bytes <= 0:
             raise ValueError(f"chunk_disk_bytes must be positive, got {capacity_bytes}")
         self.directory = Path(directory)
+        # Told of every chunk that leaves the tier other than by `remove` (evicted by the budget,
+        # dropped as corrupt), so an owner can forget chunks no tier holds any more.
+        self.on_drop: Callable[[str], None] | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -140,6 +143,7 @@ class ChunkDiskTier:
             victims = self._over_budget()
         for victim in victims:
             self._delete(victim)
+            self._dropped(victim)
         return key in self
 
     # -- reads -----------------------------------------------------------------------------
@@ -259,6 +263,11 @@ class ChunkDiskTier:
         self._add("corrupt_dropped", 1)
         logger.error("hicache_ext chunk disk: chunk %s dropped: %s", key[:12], error)
         self._delete(key)
+        self._dropped(key)
+
+    def _dropped(self, key: str) -> None:
+        if self.on_drop is not None:
+            self.on_drop(key)
 
     def _failed_write(self, key: str, reason: str) -> None:
         self._add("write_errors", 1)

@@ -11,7 +11,7 @@ import torch
 from benchmarks.fusion_quality import chatml_prompt, documents_of
 from benchmarks.smollm2_server import smollm2_path, smollm2_tokenizer
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
-from sglang_hicache_ext.fusion import chunk_hash, precompute_chunk
+from sglang_hicache_ext.fusion import precompute_chunk
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.request import Segment
@@ -35,7 +35,6 @@ def question_segments(
     registry = ChunkRegistry(2**31, adapter.rope_spec)
     for paragraph in paragraphs:
         tokens = tokenizer.encode(paragraph, add_special_tokens=False)
-        registry.store.put(chunk_hash(tokens), precompute_chunk(adapter, tokens))
-        registry.index.add(chunk_hash(tokens), tokens)
-    segments, _ = pinned_chunk_segments(registry, ids)
+        registry.add(precompute_chunk(adapter, tokens))
+    segments = pinned_chunk_segments(registry, ids).segments
     return segments

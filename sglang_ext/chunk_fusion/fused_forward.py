@@ -143,6 +143,7 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
         "recompute_ratio": plan.options.recompute_ratio,
         "sink_tokens": plan.options.sink_tokens,
         "chunks_hit": len(plan.pinned),
+        "chunks_by_tier": plan.chunk_tiers,  # where each chunk's KV was loaded from
         "chunk_tokens": result.num_chunk_tokens,
         "prefix_tokens": prefix_len,
         "tokens_reused": reused,

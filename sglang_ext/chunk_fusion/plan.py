@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment, slice_chunk
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
@@ -107,6 +107,7 @@ class RequestPlan:
     options: FusionOptions | None = None
     segments: list[Segment] = dataclasses.field(default_factory=list)
     pinned: list[str] = dataclasses.field(default_factory=list)  # chunk ids held for the round
+    chunk_tiers: dict[str, int] = dataclasses.field(default_factory=dict)  # tier -> chunks
     fallback: str | None = None
     # A later round of a fused request: its rows were computed in the first round.
     continuation: FusedRows | None = None
@@ -135,7 +136,7 @@ class RequestPlan:
 
     def release(self, registry: ChunkRegistry) -> None:
         for chunk_id in self.pinned:
-            registry.store.unpin(chunk_id)
+            registry.unpin(chunk_id)
         self.pinned = []
 
 
@@ -212,7 +213,9 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     plan.fallback = _fallback_reason(rt, req)
     if plan.fallback is not None:
         return
-    plan.segments, plan.pinned = pinned_chunk_segments(rt.registry, list(req.origin_input_ids))
+    plan.segments, plan.pinned, plan.chunk_tiers = pinned_chunk_segments(
+        rt.registry, list(req.origin_input_ids)
+    )
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
     elif plan.prefix_len >= _last_chunk_end(plan.segments):
@@ -300,31 +303,37 @@ def _extend_tokens_agree(forward_batch: Any, plans: list[RequestPlan]) -> bool:
     return offset == len(batch_ids)
 
 
-def pinned_chunk_segments(
-    registry: ChunkRegistry, tokens: list[int]
-) -> tuple[list[Segment], list[str]]:
+class PinnedSegments(NamedTuple):
+    segments: list[Segment]
+    pinned: list[str]  # chunk ids held for the request (callers unpin)
+    tiers: dict[str, int]  # how many chunks each tier served
+
+
+def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedSegments:
     """The prompt as text and chunk segments, with the matched chunks pinned (callers unpin).
 
     A chunk evicted or deleted since matching is skipped: its tokens are computed like text."""
     segments: list[Segment] = []
     pinned: list[str] = []
+    tiers: Counter[str] = Counter()
     cursor = 0
     metrics = extension_metrics()
     for match in registry.index.find(tokens):
-        try:
-            chunk = registry.store.pin(match.chunk_id)
-        except KeyError:
+        held = registry.pin(match.chunk_id)
+        if held is None:
             if metrics is not None:
                 metrics.chunk_miss()
             continue
+        chunk = held.chunk
         pinned.append(match.chunk_id)
+        tiers[held.tier] += 1
         if match.prompt_start > cursor:
             segments.append(TextSegment(tuple(tokens[cursor : match.prompt_start])))
         span = slice_chunk(chunk, match.chunk_start, match.chunk_end)
         if metrics is not None:
-            metrics.chunk_hit(span.nbytes)
+            metrics.chunk_hit(span.nbytes, tier=held.tier)
         segments.append(ChunkSegment(span))
         cursor = match.prompt_end
     if cursor < len(tokens):
         segments.append(TextSegment(tuple(tokens[cursor:])))
-    return segments, pinned
+    return PinnedSegments(segments, pinned, dict(tiers))

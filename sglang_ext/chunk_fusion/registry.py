@@ -6,12 +6,18 @@ is checkpointed into the tree (its KV rows are still valid then), the `hicache_e
 reads the chunk's K/V from SGLang's KV pool, rotates K back to pre-RoPE, computes the CacheTune
 frequency scores, and stores the result in the host chunk store under the content hash of the
 token ids. The chunk index learns the token sequence so later prompts can find it.
+
+With a disk tier (`chunk_disk_dir`) the chunk is also written to disk before the registration
+is answered; at start the registry indexes every chunk found on disk, so chunks registered
+before a restart are used without registering them again.
 """
 
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +27,15 @@ from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunk_file import ChunkTensors
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
+from sglang_hicache_ext.tiers.chunk_tiers import (
+    ChunkSummary,
+    Pinned,
+    TieredChunkStore,
+    summary_of_header,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +57,88 @@ def registration_id(req: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class ChunkRegistry:
-    """Chunk index + host store, owned by the tree cache (one per scheduler process)."""
+def chunk_namespace(model_path: str, identity: str) -> str:
+    """The subdirectory of `chunk_disk_dir` for one model: chunk KV is only valid for the model
+    (and KV dtype) that computed it, and two models may share a tokenizer, hence token ids and
+    content hashes. `identity` is everything that changes the KV (config, dtypes, revision)."""
+    digest = hashlib.sha256(f"{model_path}\n{identity}".encode()).hexdigest()[:16]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(model_path).name)
+    return f"{name or 'model'}-{digest}"
 
-    def __init__(self, capacity_bytes: int, rope: RopeSpec, alpha: float = DEFAULT_ALPHA) -> None:
+
+def _rebuild(tensors: ChunkTensors) -> PrecomputedChunk:
+    return PrecomputedChunk(*tensors)
+
+
+def _summary(chunk: PrecomputedChunk) -> ChunkSummary:
+    return ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes)
+
+
+class ChunkRegistry:
+    """Chunk index + tiered store, owned by the tree cache (one per scheduler process)."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        rope: RopeSpec,
+        alpha: float = DEFAULT_ALPHA,
+        disk: ChunkDiskTier | None = None,
+    ) -> None:
         self.index = ChunkIndex()
-        self.store: ChunkStore[PrecomputedChunk] = ChunkStore(capacity_bytes)
+        self.store: TieredChunkStore[PrecomputedChunk] = TieredChunkStore(
+            ChunkStore(capacity_bytes), disk, _rebuild, _summary
+        )
         self._rope = rope
         self._alpha = alpha
         self.failed_captures = 0
+        # Sizes of every stored chunk (a listing must not read disk headers).
+        self._summaries: dict[str, ChunkSummary] = {}
         # Bumped whenever the set of registered chunks changes (admission caches its matches).
         self.generation = 0
+        self.restored = self._index_stored_chunks()
+
+    def _index_stored_chunks(self) -> int:
+        """Index the chunks a disk tier holds from before this process (restart); how many."""
+        restored = 0
+        for key in self.store.stored_keys():
+            header = self.store.header(key)
+            if header is None:
+                continue  # dropped as corrupt by the tier (logged, counted)
+            if chunk_hash(header.token_ids) != key:
+                logger.error("chunk file %s does not hold its tokens; dropped", key[:12])
+                self.store.remove(key)
+                continue
+            self._add_to_index(key, header.token_ids)
+            self._summaries[key] = summary_of_header(header)
+            restored += 1
+        if restored:
+            self.generation += 1
+            logger.info("%d chunks found on the chunk disk tier", restored)
+        return restored
+
+    def _add_to_index(self, chunk_id: str, token_ids: tuple[int, ...] | list[int]) -> None:
+        if len(token_ids) >= self.index.anchor_tokens:
+            self.index.add(chunk_id, token_ids)
+
+    def forget(self, chunk_ids: list[str]) -> None:
+        """Drop chunks no tier holds any more from the index and the listing."""
+        for chunk_id in chunk_ids:
+            self._summaries.pop(chunk_id, None)
+            if chunk_id in self.index:
+                self.index.remove(chunk_id)
+        if chunk_ids:
+            self.generation += 1
+
+    def pin(self, chunk_id: str) -> Pinned[PrecomputedChunk] | None:
+        """Hold a chunk for a request (promoted from disk if needed); None if no tier has it."""
+        pinned, lost = self.store.pin(chunk_id)
+        self.forget(lost)
+        if lost or (pinned is not None and pinned.tier != "host"):
+            self._report_stored_bytes()
+        return pinned
+
+    def unpin(self, chunk_id: str) -> None:
+        self.store.unpin(chunk_id)
 
     def capture(
         self, chunk_id: str, token_ids: list[int], kv_pool: Any, slots: torch.Tensor
@@ -84,35 +169,48 @@ class ChunkRegistry:
             freq_scores=scores,
             alpha=self._alpha,
         )
+        return self.add(chunk)
+
+    def add(self, chunk: PrecomputedChunk) -> bool:
+        """Store and index a precomputed chunk (written through to disk when there is one);
+        False (logged, counted) when no tier could take it."""
+        chunk_id = chunk.content_hash
         try:
-            evicted = self.store.put(chunk_id, chunk)
+            lost = self.store.put(chunk_id, chunk)
         except StoreFullError as err:
             self.failed_captures += 1
             logger.error("chunk %s not stored: %s", chunk_id[:12], err)
             return False
-        for old in evicted:
-            self.index.remove(old)
-        if len(token_ids) >= self.index.anchor_tokens:
-            self.index.add(chunk_id, token_ids)
+        self.forget(lost)
+        self._add_to_index(chunk_id, chunk.token_ids)
+        self._summaries[chunk_id] = _summary(chunk)
         self.generation += 1
         self._report_stored_bytes()
         logger.info(
-            "chunk %s registered: %d tokens, %d bytes", chunk_id[:12], len(token_ids), chunk.nbytes
+            "chunk %s registered: %d tokens, %d bytes in %s",
+            chunk_id[:12],
+            chunk.num_tokens,
+            chunk.nbytes,
+            "+".join(self.store.tiers_of(chunk_id)),
         )
         return True
 
-    @staticmethod
-    def _info(chunk_id: str, chunk: PrecomputedChunk) -> dict[str, Any]:
+    def _info(self, chunk_id: str) -> dict[str, Any] | None:
+        summary = self._summaries.get(chunk_id)
+        tiers = self.store.tiers_of(chunk_id)
+        if summary is None or not tiers:
+            return None
         return {
             "id": chunk_id,
-            "num_tokens": chunk.num_tokens,
-            "nbytes": chunk.nbytes,
-            "num_layers": chunk.num_layers,
+            "num_tokens": summary.num_tokens,
+            "nbytes": summary.nbytes,
+            "num_layers": summary.num_layers,
+            "tier": tiers[0],  # where a request would load it from
+            "tiers": tiers,
         }
 
     def describe(self, chunk_id: str) -> dict[str, Any] | None:
-        chunk = self.store.peek(chunk_id)
-        return None if chunk is None else self._info(chunk_id, chunk)
+        return self._info(chunk_id)
 
     def _key_probe(self, chunk_id: str, layer: int, token: int) -> list[list[float]]:
         chunk = self.store.peek(chunk_id)
@@ -125,27 +223,42 @@ class ChunkRegistry:
         return chunk.keys[layer][token].float().tolist()
 
     def list(self) -> list[dict[str, Any]]:
-        return [self._info(key, chunk) for key, chunk in self.store.items()]
+        infos = (self._info(key) for key in self.store.stored_keys())
+        return [info for info in infos if info is not None]
 
     def delete(self, chunk_id: str) -> bool:
         """False when unknown; raises RuntimeError while a running request pins the chunk."""
-        if chunk_id not in self.store:
+        try:
+            removed = self.store.remove(chunk_id)
+        except KeyError:
             return False
-        if not self.store.remove(chunk_id):
+        if not removed:
             raise RuntimeError(f"chunk {chunk_id[:12]} is in use by a running request; retry later")
-        if chunk_id in self.index:
-            self.index.remove(chunk_id)
-        self.generation += 1
+        self.forget([chunk_id])
         self._report_stored_bytes()
         return True
 
     def _report_stored_bytes(self) -> None:
         if (metrics := extension_metrics()) is not None:
-            metrics.chunk_stored_bytes(self.store.stats().bytes_used)
+            stats = self.store.stats()
+            metrics.chunk_stored_bytes(stats.host.bytes_used, tier="host")
+            if stats.disk is not None:
+                metrics.chunk_stored_bytes(stats.disk.bytes_used, tier="disk")
 
     def stats(self) -> dict[str, Any]:
+        """Host memory's counts at the top level (as before tiers), then every tier's."""
         stats = self.store.stats()
-        return {**stats.__dict__, "failed_captures": self.failed_captures}
+        return {
+            **stats.host.__dict__,
+            "failed_captures": self.failed_captures,
+            "tiers": list(self.store.tiers),
+            "hits_by_tier": stats.lookups,
+            "promotions": stats.promotions,
+            "demotions": stats.demotions,
+            "lost": stats.lost,
+            "restored_from_disk": self.restored,
+            "disk": None if stats.disk is None else stats.disk.__dict__,
+        }
 
     def handle_control(self, method: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         """`hicache_ext.*` control requests from the HTTP routes (via SGLang's control channel)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,31 @@ def check_disk_tier(server_args: Any) -> None:
         raise PreflightError(f"disk_dir {options.disk_dir}: cannot claim it ({err})") from err
 
 
+def check_chunk_disk(settings: ExtensionSettings) -> None:
+    """The chunk disk directory: a directory this server can write, and no other server's."""
+    if not settings.chunk_disk_dir:
+        return
+    path = Path(settings.chunk_disk_dir).expanduser()
+    name = f"chunk_disk_dir {path}"
+    if path.exists() and not path.is_dir():
+        raise PreflightError(f"{name} is not a directory")
+    from sglang_hicache_ext.sglang_ext.disk_tier.dir_claim import hold_disk_dir
+    from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
+
+    try:
+        hold_disk_dir(path)  # creates it; one server per directory, as for disk_dir
+        with tempfile.TemporaryFile(dir=path):  # writable in fact (a read-only mount, a full disk)
+            pass
+    except DirectoryLockedError as err:
+        holder = f"process {err.holder_pid}" if err.holder_pid is not None else "another process"
+        raise PreflightError(
+            f"{name} is in use by another server ({holder}); stop it or give this server "
+            "another chunk_disk_dir"
+        ) from err
+    except OSError as err:
+        raise PreflightError(f"{name}: cannot use it ({err.strerror or err})") from err
+
+
 def _looks_local(model_path: str) -> bool:
     # Hub ids are "org/name"; anything absolute, relative-dotted or home-based is a folder.
     return model_path.startswith(("/", "./", "../", "~")) or Path(model_path).expanduser().exists()
@@ -127,6 +153,7 @@ def run_checks(server_args: Any, serving_http: bool) -> None:
     """Settings are always checked; `preflight_checks = false` skips the model and port checks."""
     settings = check_settings(server_args)
     check_disk_tier(server_args)
+    check_chunk_disk(settings)
     if not settings.preflight_checks:
         return
     check_model_path(str(server_args.model_path))

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
@@ -44,6 +44,20 @@ def _known_selector(name: str) -> str:
     if name not in SELECTORS:
         raise ValueError(selector_choices())
     return name
+
+
+ChunkTierName = Literal["host", "disk", "mooncake"]  # fastest first (tiers/chunk_tiers.py)
+
+
+def _tier_order(tiers: list[str]) -> list[str]:
+    order = list(get_args(ChunkTierName))
+    if not tiers or tiers[0] != "host":
+        raise ValueError("must start with 'host' (chunks are captured into host memory)")
+    if len(set(tiers)) != len(tiers) or tiers != sorted(tiers, key=order.index):
+        raise ValueError(f"must list each tier once, fastest first ({', '.join(order)})")
+    if "mooncake" in tiers:
+        raise ValueError("names 'mooncake', a chunk tier that is not available yet")
+    return tiers
 
 
 # Shared with the per-request options (`chunk_fusion/options.py`), so both check alike.
@@ -78,6 +92,20 @@ class ExtensionSettings(BaseModel):
         2 * 1024**3,
         gt=0,
         description="Host memory for precomputed chunk KV (POST /chunks), LRU beyond it.",
+    )
+    chunk_tiers: Annotated[list[ChunkTierName], AfterValidator(_tier_order)] | None = Field(
+        None,
+        description="Tiers holding registered chunks, fastest first: host, disk, mooncake. "
+        "Default: host, and disk when chunk_disk_dir is set.",
+    )
+    chunk_disk_dir: str | None = Field(
+        None,
+        description="Directory of the chunk disk tier (on when set): chunks are written through "
+        "to it at registration, demoted to it from host memory, and found again after a "
+        "restart. One server per directory; a subdirectory per model keeps models apart.",
+    )
+    chunk_disk_bytes: int = Field(
+        64 * 1024**3, gt=0, description="Byte budget of the chunk disk tier, LRU beyond it."
     )
     fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
     # question_error with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B
@@ -115,6 +143,25 @@ class ExtensionSettings(BaseModel):
         except ValidationError as err:
             raise SettingsError(one_line(err)) from None
 
+    @model_validator(mode="after")
+    def _disk_tier_has_a_directory(self) -> ExtensionSettings:
+        if self.chunk_tiers is not None and ("disk" in self.chunk_tiers) != bool(
+            self.chunk_disk_dir
+        ):
+            raise ValueError(
+                "chunk_tiers names 'disk' but chunk_disk_dir is not set"
+                if "disk" in self.chunk_tiers
+                else "chunk_disk_dir is set but chunk_tiers leaves out 'disk'"
+            )
+        return self
+
+    @property
+    def chunk_tier_names(self) -> tuple[str, ...]:
+        """The chunk tiers in use, fastest first."""
+        if self.chunk_tiers is not None:
+            return tuple(self.chunk_tiers)
+        return ("host", "disk") if self.chunk_disk_dir else ("host",)
+
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump()
 
@@ -140,11 +187,15 @@ def one_line(err: ValidationError) -> str:
 
 
 def _describe(error: ErrorDetails) -> str:
+    if not error["loc"]:  # a check across settings (a model validator)
+        return str(error["ctx"]["error"]) if "ctx" in error else error["msg"]
     name = str(error["loc"][0])
     field = ExtensionSettings.model_fields[name]
     given = f"{name} = {error['input']!r}"
     kind = error["type"]
     if kind == "literal_error":
+        if len(error["loc"]) > 1:  # an item of a list setting: pydantic names the choices
+            return f"{name}: {error['input']!r} is unknown; choose from {error['ctx']['expected']}"
         allowed = ", ".join(map(repr, get_args(field.annotation)))
         return f"{given} is not allowed; choose one of {allowed}"
     if kind.endswith("_type"):

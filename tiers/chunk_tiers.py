@@ -1,0 +1,242 @@
+"""Registered chunks across storage tiers: host memory in front of a local disk.
+
+Writes go through: a chunk put in host memory is written to disk at once (when the server
+answers a registration, its chunk is on disk and survives a crash). Host memory is an LRU cache
+of the disk: a chunk it evicts stays on disk (demoted); one found only on disk is read back,
+verified, and put in host memory again (promoted). A chunk is lost only when no tier holds it:
+evicted from host memory after its disk write failed, or evicted by the disk's own budget
+while not in host memory. The caller drops such chunks from its index (`put` and `pin` return
+them).
+
+Thread-safety: each tier locks itself; this class adds no state shared across threads beyond
+its counters (guarded by a lock), so the scheduler thread and a listing request may call it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, NamedTuple
+
+from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier
+from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkLike, ChunkTensors
+from sglang_hicache_ext.tiers.chunk_store import ChunkStore, ChunkStoreStats, StoreFullError, V
+
+HOST = "host"
+DISK = "disk"
+MOONCAKE = "mooncake"
+TIER_NAMES = (HOST, DISK, MOONCAKE)  # fastest first
+
+
+class ChunkSummary(NamedTuple):
+    """What a listing shows of a chunk without loading its rows."""
+
+    num_tokens: int
+    num_layers: int
+    nbytes: int  # bytes of its K, V and scores in memory
+
+
+class Pinned(NamedTuple, Generic[V]):
+    """A chunk held for a request, and the tier it was found in."""
+
+    chunk: V
+    tier: str
+
+
+@dataclass(frozen=True)
+class TierStats:
+    host: ChunkStoreStats
+    disk: ChunkDiskStats | None
+    lookups: dict[str, int]  # fusion lookups answered per tier, and "miss"
+    promotions: int  # chunks read from disk back into host memory
+    demotions: int  # chunks evicted from host memory that stay on disk
+    lost: int  # chunks no tier holds any more (evicted everywhere, or a failed write)
+
+
+def summary_of_header(header: ChunkFileHeader) -> ChunkSummary:
+    scores = header.freq_scores.numel() * header.freq_scores.element_size()
+    return ChunkSummary(
+        header.num_tokens, header.num_layers, header.num_layers * header.layer_bytes + scores
+    )
+
+
+class TieredChunkStore(Generic[V]):
+    """Host memory (`ChunkStore`) in front of an optional `ChunkDiskTier`."""
+
+    def __init__(
+        self,
+        host: ChunkStore[V],
+        disk: ChunkDiskTier | None,
+        rebuild: Callable[[ChunkTensors], V],
+        summarize: Callable[[V], ChunkSummary],
+    ) -> None:
+        self.host = host
+        self.disk = disk
+        self._rebuild = rebuild  # tiers do not import fusion: the owner turns rows into chunks
+        self._summarize = summarize
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._lookups: Counter[str] = Counter()
+        # Chunks handed to a request from disk while host memory had no room (all pinned):
+        # held by the request only, counted so that `unpin` balances.
+        self._loans: Counter[str] = Counter()
+        self._dropped_from_disk: list[str] = []
+        if disk is not None:
+            disk.on_drop = self._note_disk_drop
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        return (HOST, DISK) if self.disk is not None else (HOST,)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.host or (self.disk is not None and key in self.disk)
+
+    def tiers_of(self, key: str) -> list[str]:
+        """The tiers holding `key`, fastest first."""
+        held = [HOST] if key in self.host else []
+        if self.disk is not None and key in self.disk:
+            held.append(DISK)
+        return held
+
+    def stored_keys(self) -> list[str]:
+        """Every stored key: host memory's (least recent first), then those only on disk."""
+        keys = [key for key, _ in self.host.items()]
+        if self.disk is not None:
+            in_host = set(keys)
+            keys += [key for key in self.disk.keys_by_recency() if key not in in_host]
+        return keys
+
+    def summary(self, key: str) -> ChunkSummary | None:
+        """Sizes of a stored chunk (from host memory, or the disk header: no rows read)."""
+        chunk = self.host.peek(key)
+        if chunk is not None:
+            return self._summarize(chunk)
+        if self.disk is None:
+            return None
+        header = self.disk.header(key)
+        return None if header is None else summary_of_header(header)
+
+    def header(self, key: str) -> ChunkFileHeader | None:
+        return None if self.disk is None else self.disk.header(key)
+
+    def peek(self, key: str) -> V | None:
+        """The chunk from host memory, or read from disk without promoting it (diagnostics)."""
+        chunk = self.host.peek(key)
+        if chunk is not None or self.disk is None:
+            return chunk
+        tensors = self.disk.get(key)
+        return None if tensors is None else self._rebuild(tensors)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(self, key: str, chunk: V) -> list[str]:
+        """Store `chunk` in every tier; the keys no tier holds any more (drop them from indexes).
+
+        Raises StoreFullError only when no tier took it (host memory pinned full, no disk or
+        the disk write failed)."""
+        on_disk = False
+        if self.disk is not None:
+            on_disk = self.disk.put(key, _as_chunk_like(chunk))  # logged and counted on failure
+        try:
+            evicted = self.host.put(key, chunk)
+        except StoreFullError:
+            if not on_disk:
+                raise
+            evicted = []
+        return self._settle(evicted)
+
+    def remove(self, key: str) -> bool:
+        """Drop `key` from every tier; False while a running request pins it (nothing removed).
+        KeyError when no tier holds it."""
+        with self._lock:
+            if self._loans[key] > 0:
+                return False
+        if key in self.host:
+            if not self.host.remove(key):
+                return False
+        elif self.disk is None or key not in self.disk:
+            raise KeyError(key)
+        if self.disk is not None:
+            self.disk.remove(key)
+        return True
+
+    # -- reads by requests -----------------------------------------------------------------
+
+    def pin(self, key: str) -> tuple[Pinned[V] | None, list[str]]:
+        """Hold `key` for a request (from host memory, else promoted from disk), or None if no
+        tier has it (or its disk copy failed its checks); with the keys no tier holds any more."""
+        try:
+            chunk = self.host.pin(key)
+        except KeyError:
+            pass
+        else:
+            self._count_lookup(HOST)
+            return Pinned(chunk, HOST), []
+        tensors = self.disk.get(key) if self.disk is not None else None
+        if tensors is None:
+            self._count_lookup("miss")
+            return None, self._settle([])
+        chunk = self._rebuild(tensors)
+        self._count_lookup(DISK)
+        try:
+            evicted = self.host.put(key, chunk)
+            self.host.pin(key)
+            self._add("promotions")
+        except StoreFullError:  # host memory pinned full: the request holds the only copy
+            evicted = []
+            with self._lock:
+                self._loans[key] += 1
+        return Pinned(chunk, DISK), self._settle(evicted)
+
+    def unpin(self, key: str) -> None:
+        with self._lock:
+            if self._loans[key] > 0:
+                self._loans[key] -= 1
+                return
+        self.host.unpin(key)
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            counts = dict(self._counts)
+            lookups = {name: self._lookups[name] for name in (*self.tiers, "miss")}
+        return TierStats(
+            host=self.host.stats(),
+            disk=self.disk.stats() if self.disk is not None else None,
+            lookups=lookups,
+            promotions=counts.get("promotions", 0),
+            demotions=counts.get("demotions", 0),
+            lost=counts.get("lost", 0),
+        )
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _note_disk_drop(self, key: str) -> None:
+        with self._lock:
+            self._dropped_from_disk.append(key)
+
+    def _settle(self, evicted_from_host: list[str]) -> list[str]:
+        """Count host evictions that stay on disk as demotions; the keys no tier holds now
+        (host evictions without a disk copy, disk evictions and drops not in host memory)."""
+        with self._lock:
+            dropped, self._dropped_from_disk = self._dropped_from_disk, []
+        demoted = [key for key in evicted_from_host if key in self]
+        lost = list(dict.fromkeys(k for k in (*evicted_from_host, *dropped) if k not in self))
+        self._add("demotions", len(demoted))
+        self._add("lost", len(lost))
+        return lost
+
+    def _count_lookup(self, tier: str) -> None:
+        with self._lock:
+            self._lookups[tier] += 1
+
+    def _add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+
+def _as_chunk_like(chunk: object) -> ChunkLike:
+    return chunk  # type: ignore[return-value]  # the owner's chunk type has the fields
