@@ -159,7 +159,7 @@ def run_once(
     if normal:
         segments: list[Segment] = [TextSegment(tuple(request.ids))]
     else:
-        segments, pinned, _ = pinned_chunk_segments(request.registry, request.ids)
+        segments, pinned, *_ = pinned_chunk_segments(request.registry, request.ids)
     try:
         result = executor.fused_prefill(adapter, segments, selector, return_kv=True)
         write_pool(request, result.kv)
@@ -248,7 +248,7 @@ def work_of(
     name = mode.split("@")[0]
     if name == "normal":
         return normal_work(shape, n)
-    segments, pinned, _ = pinned_chunk_segments(request.registry, request.ids)
+    segments, pinned, *_ = pinned_chunk_segments(request.registry, request.ids)
     for chunk_id in pinned:
         request.registry.unpin(chunk_id)
     layout = build_layout(segments)

@@ -239,6 +239,34 @@ def plot_ttl_budgets(results: Path, out: Path) -> Path:
     return _save(figure, title, out)
 
 
+TIER_STYLES = {"dram": "tab:blue", "disk": "tab:green", "disk_throttled": "tab:red"}
+
+
+def plot_fusion_tiers(results_file: Path, out: Path) -> Path:
+    """TTFT against the recompute ratio per chunk tier, the full prefill and the tuned ratio."""
+    report = _load(results_file)
+    figure, axes = plt.subplots(figsize=(7.5, 4.5), dpi=DPI)
+    for tier, row in report["tiers"].items():
+        colour = TIER_STYLES.get(tier, "tab:grey")
+        curve = sorted((float(r), v["ttft_s"]) for r, v in row["ttft_by_ratio"].items())
+        axes.plot(*zip(*curve, strict=True), "-o", color=colour, markersize=3, label=tier)
+        axes.axhline(row["full_prefill_ttft_s"], color=colour, linestyle=":", linewidth=1)
+        tuned = row["tuned"]
+        axes.plot(tuned["ratio"], tuned["ttft_s"], "*", color=colour, markersize=13)
+    axes.plot([], [], "k:", label="full prefill (same server)")
+    axes.plot([], [], "k*", linestyle="none", label="tuned ratio")
+    axes.set_xlabel("recompute ratio")
+    axes.set_ylabel("median TTFT (s)")
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    title = (
+        f"fused TTFT per chunk tier, {report['model']}, {report['prompts']} prompts "
+        "(benchmarks/results/fusion_tiers.json)"
+    )
+    return _save(figure, title, out)
+
+
 def _save(figure: Figure, title: str, out: Path) -> Path:
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()

@@ -1,9 +1,16 @@
-"""A precomputed chunk: its tokens, pre-RoPE K and V per layer, and frequency scores."""
+"""A precomputed chunk: its tokens, pre-RoPE K and V per layer, and frequency scores.
+
+`StoredChunk` is what the executor needs of a chunk: its tokens and scores up front, and the
+stored K/V rows of a layer when that layer runs. `PrecomputedChunk` holds them in memory; a
+chunk on a slower tier can read them on demand (only the rows asked for), which the executor's
+layer loader overlaps with the compute of the previous layer.
+"""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,6 +29,34 @@ class ModelShape:
             raise ValueError(f"model shape fields must be positive: {self}")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+
+
+class StoredChunk(Protocol):
+    """A chunk as the executor reads it: tokens and scores at once, K/V rows by layer."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def freq_scores(self) -> torch.Tensor: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def in_memory(self) -> bool:
+        """False when `rows` reads from a slower tier (worth loading ahead of the compute)."""
+        ...
+
+    def check_compatible(self, shape: ModelShape) -> None: ...
+    def rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE K and V of `rows` (sorted local token indices) at `layer`."""
+        ...
+
+    def slice(self, start: int, end: int) -> StoredChunk:
+        """Tokens [start, end) of the chunk (no rows read)."""
+        ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,15 +109,30 @@ class PrecomputedChunk:
         """Stable key of the token sequence (what the chunk index and tiers store it under)."""
         return chunk_hash(self.token_ids)
 
+    @property
+    def in_memory(self) -> bool:
+        return True
+
     def check_compatible(self, shape: ModelShape) -> None:
         """Raise ValueError unless this chunk's KV geometry matches `shape`."""
         _, heads, dim = self.keys[0].shape
-        if (self.num_layers, heads, dim) != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
-            raise ValueError(
-                f"chunk KV (layers={self.num_layers}, kv_heads={heads}, head_dim={dim}) does not "
-                f"match the model (layers={shape.num_layers}, kv_heads={shape.num_kv_heads}, "
-                f"head_dim={shape.head_dim})"
-            )
+        check_geometry(self.num_layers, heads, dim, shape)
+
+    def rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.keys[layer], self.values[layer]
+        return k[rows.to(k.device)], v[rows.to(v.device)]
+
+    def slice(self, start: int, end: int) -> PrecomputedChunk:
+        """Rows [start, end) (views of the tensors; the chunk itself when whole)."""
+        if (start, end) == (0, self.num_tokens):
+            return self
+        return PrecomputedChunk(
+            token_ids=self.token_ids[start:end],
+            keys=tuple(k[start:end] for k in self.keys),
+            values=tuple(v[start:end] for v in self.values),
+            freq_scores=self.freq_scores[:, start:end],
+            alpha=self.alpha,
+        )
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PrecomputedChunk:
         """A copy with K/V on `device` (and `dtype`); scores stay float32."""
@@ -92,6 +142,16 @@ class PrecomputedChunk:
             values=tuple(v.to(device=device, dtype=dtype) for v in self.values),
             freq_scores=self.freq_scores.to(device),
             alpha=self.alpha,
+        )
+
+
+def check_geometry(num_layers: int, kv_heads: int, head_dim: int, shape: ModelShape) -> None:
+    """Raise ValueError unless a chunk's KV geometry matches the model's."""
+    if (num_layers, kv_heads, head_dim) != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
+        raise ValueError(
+            f"chunk KV (layers={num_layers}, kv_heads={kv_heads}, head_dim={head_dim}) does not "
+            f"match the model (layers={shape.num_layers}, kv_heads={shape.num_kv_heads}, "
+            f"head_dim={shape.head_dim})"
         )
 
 

@@ -20,7 +20,7 @@ from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.attention import attend
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
-from sglang_hicache_ext.fusion.request import RequestLayout, Segment
+from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.request_state import FusionJob, KVCache, RequestState
 from sglang_hicache_ext.fusion.selectors import CheckLayerState, SelectionContext, Selector
 
@@ -45,6 +45,7 @@ class FusionResult:
     kv: KVCache | None = None
     hidden: torch.Tensor | None = None
     prefix_tokens: int = 0
+    load_wait_s: float = 0.0  # time the compute waited for stored rows of slow-tier chunks
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,8 +108,21 @@ def fused_prefill_batch(
     if not jobs:
         return []
     states = [RequestState(adapter, job) for job in jobs]
+    try:
+        return _run_layers(adapter, states, attention_backend)
+    finally:
+        for state in states:
+            state.loader.close()
+
+
+def _run_layers(
+    adapter: ModelAdapter, states: list[RequestState], attention_backend: str
+) -> list[FusionResult]:
     hidden = adapter.embed(_cat([state.active_token_ids() for state in states]))
     for layer in range(adapter.shape.num_layers):
+        for state in states:  # this layer's rows if not yet asked for, and the next layer's
+            state.prefetch(layer)
+            state.prefetch(layer + 1)
         q, k, v = adapter.attention_inputs(layer, hidden)
         q_pos = _cat([state.q_pos for state in states])
         q, k = adapter.rotate(q, q_pos), adapter.rotate(k, q_pos)
@@ -134,6 +148,7 @@ def fused_prefill_batch(
             kv=KVCache(tuple(state.keys), tuple(state.values)) if state.job.return_kv else None,
             hidden=state.outputs(final),
             prefix_tokens=state.prefix_len,
+            load_wait_s=state.loader.wait_s,
         )
         for i, (state, final) in enumerate(zip(states, finals, strict=True))
     ]
@@ -156,8 +171,7 @@ def _attend_request(
     if layer == state.check_layer:
         # Every token after the prefix was computed up to here, in position order.
         layer_k, layer_v = _after(prefix_k, k), _after(prefix_v, v)
-        every_row = [torch.arange(span.length) for span in layout.spans]
-        reused = _load_reused(adapter, layout, layer, every_row)
+        reused = _load_reused(adapter, state, layer, state.every_row())
         # Selectors index queries by global position; cached prefix rows have none (zeros).
         queries = _after(
             None if prefix_k is None else q.new_zeros((state.prefix_len, *q.shape[1:])), q
@@ -166,9 +180,10 @@ def _attend_request(
             layer, queries, layer_k, layer_v, reused.keys, reused.values, adapter.attn_scale
         )
         keep = state.narrow(state.selector.select(SelectionContext(layout, check)))
+        state.prefetch(layer + 1)  # the selection is known: start reading what follows
         q, hidden = q[keep], hidden[keep]
     else:
-        reused = _load_reused(adapter, layout, layer, state.plan)
+        reused = _load_reused(adapter, state, layer, state.plan)
         layer_k, layer_v = _assemble(
             reused, k, v, state.active_idx, state.num_tokens, prefix_k, prefix_v
         )
@@ -248,17 +263,17 @@ class _Reused(NamedTuple):
 
 
 def _load_reused(
-    adapter: ModelAdapter, layout: RequestLayout, layer: int, plan: list[torch.Tensor]
+    adapter: ModelAdapter, state: RequestState, layer: int, plan: list[torch.Tensor]
 ) -> _Reused:
     """Gather only the planned rows (a sparse load when chunks live in another tier)."""
     device, dtype = adapter.device, adapter.dtype
     keys, values, positions = [], [], []
-    for span, rows in zip(layout.spans, plan, strict=True):
+    for index, (span, rows) in enumerate(zip(state.layout.spans, plan, strict=True)):
         if rows.numel() == 0:
             continue
-        stored_k, stored_v = span.chunk.keys[layer], span.chunk.values[layer]
-        keys.append(stored_k[rows.to(stored_k.device)].to(device=device, dtype=dtype))
-        values.append(stored_v[rows.to(stored_v.device)].to(device=device, dtype=dtype))
+        stored_k, stored_v = state.loader.get(layer, index, span.chunk, rows)
+        keys.append(stored_k.to(device=device, dtype=dtype))
+        values.append(stored_v.to(device=device, dtype=dtype))
         positions.append(rows.to(device) + span.start)
     if not keys:
         shape = (0, adapter.shape.num_kv_heads, adapter.shape.head_dim)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.chunk import StoredChunk
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class TextSegment:
 class ChunkSegment:
     """One occurrence of a precomputed chunk; its tokens reuse the stored KV unless selected."""
 
-    chunk: PrecomputedChunk
+    chunk: StoredChunk
 
 
 Segment = TextSegment | ChunkSegment
@@ -35,7 +35,7 @@ class ChunkSpan:
     index: int
     start: int
     length: int
-    chunk: PrecomputedChunk
+    chunk: StoredChunk
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,17 +61,9 @@ class RequestLayout:
         return torch.nonzero(self.is_chunk, as_tuple=False).flatten()
 
 
-def slice_chunk(chunk: PrecomputedChunk, start: int, end: int) -> PrecomputedChunk:
-    """Rows [start, end) of a chunk (views of its tensors; the chunk itself when whole)."""
-    if (start, end) == (0, chunk.num_tokens):
-        return chunk
-    return PrecomputedChunk(
-        token_ids=chunk.token_ids[start:end],
-        keys=tuple(k[start:end] for k in chunk.keys),
-        values=tuple(v[start:end] for v in chunk.values),
-        freq_scores=chunk.freq_scores[:, start:end],
-        alpha=chunk.alpha,
-    )
+def slice_chunk(chunk: StoredChunk, start: int, end: int) -> StoredChunk:
+    """Rows [start, end) of a chunk (no rows read; the chunk itself when whole)."""
+    return chunk.slice(start, end)
 
 
 def after_exact_prefix(segments: Sequence[Segment], prefix_len: int) -> list[Segment]:

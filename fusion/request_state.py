@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion.layer_loader import LayerLoader
 from sglang_hicache_ext.fusion.request import (
     RequestLayout,
     Segment,
@@ -53,6 +54,9 @@ class FusionJob:
     exact_prefix: KVCache | None = None
     outputs_from: int | None = None
     return_kv: bool = False
+    # Read the next layer's stored rows of slow-tier chunks while this layer computes
+    # (`fusion.layer_loader`); False: read them when the layer needs them.
+    overlap_loads: bool = True
 
 
 class RequestState:
@@ -79,6 +83,9 @@ class RequestState:
         self.computed: list[int] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.num_layers = adapter.shape.num_layers
+        self.loader = LayerLoader(job.overlap_loads)
+        self.narrowed = False
         if self.check_layer is None:
             self.selected = self.selector.select(SelectionContext(self.layout))
             self._set_active(_with_selected(always, self.selected))
@@ -110,9 +117,30 @@ class RequestState:
             prefix.values[layer].to(device=self.device, dtype=dtype),
         )
 
+    def every_row(self) -> list[torch.Tensor]:
+        return [torch.arange(span.length) for span in self.layout.spans]
+
+    def load_plan(self, layer: int) -> list[torch.Tensor] | None:
+        """Per chunk occurrence, the stored rows `layer` reads (None: not known yet). Before
+        the check layer every token is computed (nothing to read), at it every row is read,
+        after it the rows not selected."""
+        check = self.check_layer
+        if check is None or layer < check:
+            return self.plan
+        if layer == check:
+            return self.every_row()
+        return self.plan if self.narrowed else None
+
+    def prefetch(self, layer: int) -> None:
+        """Start reading `layer`'s stored rows of slow-tier chunks, if the plan is known."""
+        rows = self.load_plan(layer) if layer < self.num_layers else None
+        for index, (span, span_rows) in enumerate(zip(self.layout.spans, rows or [], strict=False)):
+            self.loader.submit(layer, index, span.chunk, span_rows)
+
     def narrow(self, selected: torch.Tensor) -> torch.Tensor:
         """After the check layer: keep the selection; returns which current rows stay."""
         self.selected = selected
+        self.narrowed = True
         active = _with_selected(self.always, selected)
         keep = active.to(self.device)[self.active_idx]
         self._set_active(active)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import requests
 import sglang as sgl
@@ -54,13 +54,15 @@ class FusionRequest:
     """Per-request fusion options, as the server's `custom_params` keys.
 
     None leaves an option to the server's settings (`fusion_selector`, `fusion_recompute_ratio`,
-    `fusion_sink_tokens`), the one place where its default is written.
+    `fusion_sink_tokens`, `fusion_overlap_loads`), the one place where its default is written.
+    `recompute_ratio="auto"`: the ratio tuned for the tier each chunk is loaded from.
     """
 
     selector: str | None = None
-    recompute_ratio: float | None = None
+    recompute_ratio: float | Literal["auto"] | None = None
     enabled: bool = True
     sink_tokens: int | None = None
+    overlap_loads: bool | None = None
 
     def custom_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"fusion": self.enabled}
@@ -68,6 +70,7 @@ class FusionRequest:
             "fusion_selector": self.selector,
             "fusion_recompute_ratio": self.recompute_ratio,
             "fusion_sink_tokens": self.sink_tokens,
+            "fusion_overlap_loads": self.overlap_loads,
         }
         params.update({key: value for key, value in optional.items() if value is not None})
         return params
@@ -88,7 +91,7 @@ class FusionEndpoint(sgl.RuntimeEndpoint):
     def fusion(
         self,
         selector: str | None = None,
-        recompute_ratio: float | None = None,
+        recompute_ratio: float | Literal["auto"] | None = None,
         enabled: bool = True,
         sink_tokens: int | None = None,
     ) -> Iterator[FusionRequest]:

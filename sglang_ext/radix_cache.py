@@ -174,6 +174,7 @@ def _chunk_registry(
         disk = ChunkDiskTier(
             chunk_disk_directory(settings.chunk_disk_dir, ctx.model_config, ctx.server_args),
             settings.chunk_disk_bytes,
+            read_bytes_per_s=settings.chunk_disk_read_bytes_per_s or None,
         )
         logger.info(
             "hicache_ext chunk disk tier: %s (%d chunks, budget %d bytes)",

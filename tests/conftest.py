@@ -55,6 +55,22 @@ def tiny_qwen2_path() -> Path:
     return prepare(TINY_QWEN2)
 
 
+@pytest.fixture(scope="module")
+def models(tiny_llama_path: Path, tiny_qwen2_path: Path) -> dict[str, object]:
+    """The tiny Llama and Qwen2 models (fp32) behind the fusion engine's transformers adapter."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
+
+    paths = {"llama": tiny_llama_path, "qwen2": tiny_qwen2_path}
+    out: dict[str, object] = {}
+    for family, path in paths.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out[family] = HFCausalLMAdapter(model)
+    return out
+
+
 @pytest.fixture(scope="session")
 def hicache_server(
     smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory

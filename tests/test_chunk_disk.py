@@ -69,8 +69,8 @@ def test_sparse_read_returns_exactly_the_rows_and_reads_only_them(tmp_path: Path
     header = tier.header(key)
     assert header is not None
     rows = sorted(random.Random(0).sample(range(chunk.num_tokens), 40))  # 85 % kept
-    layers = tier.read_layers(key, header, rows)
-    dense = tier.read_layers(key, header, None)
+    layers = tier.read_layers(key, rows)
+    dense = tier.read_layers(key, None)
     assert layers is not None and dense is not None
     for layer, got in enumerate(layers):
         assert torch.equal(got.keys, chunk.keys[layer][rows])
@@ -98,7 +98,7 @@ def test_a_flipped_bit_is_never_served(tmp_path: Path) -> None:
     # Corrupt V row 5 of layer 1: a sparse read that skips it is still served (and verified) ...
     _flip_byte(tmp_path / f"{key}.chunk", header.value_offset(1) + 5 * header.value_row_bytes + 3)
     skipping = [r for r in range(chunk.num_tokens) if r != 5]
-    assert tier.read_layers(key, header, skipping) is not None
+    assert tier.read_layers(key, skipping) is not None
     # ... a read that needs it drops the chunk, counts it, and returns nothing.
     assert tier.get(key) is None
     assert tier.stats().corrupt_dropped == 1 and key not in tier

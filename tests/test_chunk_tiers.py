@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.request import ChunkSegment
 from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, chunk_namespace
+from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.tiers import chunk_disk
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
@@ -179,15 +181,29 @@ def test_registry_finds_its_chunks_after_a_restart(tmp_path: Path) -> None:
     assert listing[chunks[1].content_hash]["nbytes"] == chunks[1].nbytes
     after = pinned_chunk_segments(restarted, prompt)
     assert after.pinned == before.pinned and after.tiers == {"disk": 2}
+    assert after.tokens_by_tier == {"disk": 128}
+    # Streamed: only the rows asked for are read (verified), nothing is in host memory yet.
+    streamed = [seg.chunk for seg in after.segments if isinstance(seg, ChunkSegment)]
+    rows = torch.tensor([0, 5, 63])
+    for stream, chunk in zip(streamed, (chunks[2], chunks[0]), strict=True):
+        assert isinstance(stream, StreamedChunk) and not stream.in_memory
+        for layer in range(chunk.num_layers):
+            keys, values = stream.rows(layer, rows)
+            assert torch.equal(keys, chunk.keys[layer][rows])
+            assert torch.equal(values, chunk.values[layer][rows])
+        assert stream.stats.bytes_read == 3 * stream.dense_bytes // 64
+    assert not any(chunk_id in restarted.store.host for chunk_id in after.pinned)
+    # Let go by the request: promoted in the background, exactly the stored KV.
+    for chunk_id in after.pinned:
+        restarted.unpin(chunk_id)
+    restarted.store.wait_for_promotions()
     for chunk_id, chunk in zip(after.pinned, (chunks[2], chunks[0]), strict=True):
         held = restarted.store.host.peek(chunk_id)
-        assert held is not None and _same(held, chunk)  # promoted, exactly the stored KV
+        assert held is not None and _same(held, chunk)
     stats = restarted.stats()
     assert stats["hits_by_tier"] == {"host": 0, "disk": 2, "miss": 0}
     assert stats["restored_from_disk"] == 3 and stats["promotions"] == 2
     assert restarted.describe(chunks[2].content_hash)["tiers"] == ["host", "disk"]
-    for chunk_id in after.pinned:
-        restarted.unpin(chunk_id)
     assert (
         restarted.delete(chunks[2].content_hash) and chunks[2].content_hash not in restarted.index
     )

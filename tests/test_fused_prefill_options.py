@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, SettingsError
 
 DEFAULTS = ExtensionSettings(
     fusion_by_default=False,
@@ -28,13 +30,14 @@ def test_shipped_default_is_the_measured_closest_selector() -> None:
 
 def test_defaults_and_overrides() -> None:
     assert parse_options(None, DEFAULTS) == FusionOptions(
-        enabled=False, selector="a3", recompute_ratio=0.15, sink_tokens=0
+        enabled=False, selector="a3", recompute_ratio=0.15, sink_tokens=0, overlap_loads=True
     )
     assert parse_options({"fusion": True, "fusion_recompute_ratio": 1}, DEFAULTS) == FusionOptions(
-        enabled=True, selector="a3", recompute_ratio=1.0, sink_tokens=0
+        enabled=True, selector="a3", recompute_ratio=1.0, sink_tokens=0, overlap_loads=True
     )
     assert parse_options({"fusion_selector": "epic", "other_key": 3}, DEFAULTS).selector == "epic"
     assert parse_options({"fusion_sink_tokens": 4}, DEFAULTS).sink_tokens == 4
+    assert not parse_options({"fusion_overlap_loads": False}, DEFAULTS).overlap_loads
     with_sinks = ExtensionSettings(fusion_sink_tokens=2)
     assert parse_options({"fusion": True}, with_sinks).sink_tokens == 2
 
@@ -68,12 +71,32 @@ def test_frontend_sends_only_the_options_it_sets() -> None:
         ({"fusion_sink_tokens": 1.5}, "integer >= 0"),
         ({"fusion_sink_tokens": True}, "integer >= 0"),
         ({"fusion": 1}, "true or false"),
+        ({"fusion_overlap_loads": "no"}, "fusion_overlap_loads must be true or false"),
         ("not a dict", "must be an object"),
     ],
 )
 def test_bad_options(params: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_options(params, DEFAULTS)
+
+
+def test_auto_ratio_needs_the_servers_ratio_table() -> None:
+    with pytest.raises(ValueError, match=r'"auto" needs a ratio table.*fusion_ratio_table'):
+        parse_options({"fusion": True, "fusion_recompute_ratio": "auto"}, DEFAULTS)
+    tuned = DEFAULTS.model_copy(update={"fusion_ratio_table": "/srv/ratios.json"})
+    options = parse_options({"fusion": True, "fusion_recompute_ratio": "auto"}, tuned)
+    assert options.recompute_ratio == "auto"
+    with pytest.raises(ValueError, match=r'a number in \[0, 1\] or "auto", got \'AUTO\''):
+        parse_options({"fusion_recompute_ratio": "AUTO"}, tuned)
+
+
+def test_auto_ratio_setting_needs_a_table() -> None:
+    with pytest.raises(SettingsError, match='"auto" needs fusion_ratio_table'):
+        ExtensionSettings(fusion_recompute_ratio="auto")
+    settings = ExtensionSettings(fusion_recompute_ratio="auto", fusion_ratio_table="/r.json")
+    assert parse_options({"fusion": True}, settings).recompute_ratio == "auto"
+    with pytest.raises(SettingsError, match=re.escape('= 1.5 must be in [0, 1] or "auto"')):
+        ExtensionSettings(fusion_recompute_ratio=1.5)
 
 
 def test_model_family_without_adapter_is_refused_by_name() -> None:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.attention import attend, position_causal_attention
@@ -32,16 +29,6 @@ ATOL = 1e-4
 # the row count), so results equal one-by-one runs within fp32 noise, not bit for bit (measured
 # at most 1.2e-7 on the tiny models' logits).
 BATCH_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def models(tiny_llama_path: Path, tiny_qwen2_path: Path) -> dict[str, HFCausalLMAdapter]:
-    paths = {"llama": tiny_llama_path, "qwen2": tiny_qwen2_path}
-    out = {}
-    for family, path in paths.items():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        out[family] = HFCausalLMAdapter(model)
-    return out
 
 
 def _ids(seed: int, n: int) -> list[int]:

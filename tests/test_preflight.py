@@ -19,6 +19,7 @@ from sglang_hicache_ext.sglang_ext.server.preflight import (
     check_disk_tier,
     check_model_path,
     check_port_free,
+    check_ratio_table,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import (
     CONFIG_ENV_VAR,
@@ -26,6 +27,7 @@ from sglang_hicache_ext.sglang_ext.server.settings import (
     ExtensionSettings,
     SettingsError,
 )
+from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
 from tests.server_processes import TCP_TIME_WAIT, tcp_states_on_port
 
 
@@ -225,6 +227,25 @@ def test_chunk_disk_dir_must_be_a_usable_directory(tmp_path: Path) -> None:
     assert (tmp_path / "new").is_dir()
     assert ExtensionSettings(chunk_disk_dir=str(tmp_path)).chunk_tier_names == ("host", "disk")
     assert ExtensionSettings().chunk_tier_names == ("host",)
+
+
+def test_ratio_table_must_fit_the_model_and_tiers(tmp_path: Path) -> None:
+    table_path = tmp_path / "ratios.json"
+    settings = ExtensionSettings(
+        fusion_recompute_ratio="auto",
+        fusion_ratio_table=str(table_path),
+        chunk_disk_dir=str(tmp_path / "chunks"),
+    )
+    with pytest.raises(PreflightError, match="is not a ratio table"):
+        check_ratio_table(settings, "/models/tiny")
+    tuned = TunedRatio(0.2, 0.2, 0.15, 1.0, "test")
+    RatioTable("tiny", {"host": tuned}).save(table_path)
+    with pytest.raises(PreflightError, match="was tuned for model tiny, this server runs other"):
+        check_ratio_table(settings, "/models/other")
+    with pytest.raises(PreflightError, match=r"has no ratio for chunk tier\(s\) disk; tune them"):
+        check_ratio_table(settings, "/models/tiny/")
+    RatioTable("tiny", {"host": tuned, "disk": tuned}).save(table_path)
+    check_ratio_table(settings, "/models/tiny/")
 
 
 @pytest.mark.server

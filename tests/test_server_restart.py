@@ -1,6 +1,7 @@
 """A server restarted 1 s after `kill -9` starts on the same port (no false "port in use"), and
 finds the chunks registered before on its chunk disk tier: fused requests hit them without a
-new registration and answer exactly as before the crash."""
+new registration and answer exactly as before the crash. With the recompute ratio "auto", each
+request takes the ratio tuned for the tier its chunks are loaded from."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import requests
 
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
 from tests.server_processes import TCP_LISTEN, server_process_group, tcp_states_on_port
 
 pytestmark = pytest.mark.server
@@ -28,7 +30,11 @@ DOCUMENTS = [
 PROMPT = "Documents:\n" + "\n".join(DOCUMENTS[::-1]) + "\nQuestion: which entry is oldest?\nAnswer:"
 
 
-def _fused(url: str) -> tuple[list[int], dict]:
+# Tuned ratios of this test (a real table comes from `tuning.ratio tune`): disk loads cost more.
+RATIOS = {"host": 0.15, "disk": 0.4}
+
+
+def _fused(url: str, ratio: float | str) -> tuple[list[int], dict]:
     response = requests.post(
         url + "/generate",
         json={
@@ -36,7 +42,7 @@ def _fused(url: str) -> tuple[list[int], dict]:
             "sampling_params": {
                 "max_new_tokens": 8,
                 "temperature": 0,
-                "custom_params": {"fusion": True, "fusion_recompute_ratio": 0.15},
+                "custom_params": {"fusion": True, "fusion_recompute_ratio": ratio},
             },
         },
         timeout=300,
@@ -53,9 +59,31 @@ def _chunks(url: str) -> dict:
     return response.json()
 
 
+def _wait_until_promoted(url: str, ids: list[str], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tiers = {c["id"]: c["tier"] for c in _chunks(url)["chunks"]}
+        if all(tiers.get(i) == "host" for i in ids):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"chunks not promoted to host memory within {timeout_s} s: {tiers}")
+
+
 def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) -> None:
     settings = tmp_path / "hicache_ext.json"
-    settings.write_text(json.dumps({"chunk_disk_dir": str(tmp_path / "chunk-disk")}))
+    table = RatioTable(
+        tiny_llama_path.name,
+        {tier: TunedRatio(r, r, 0.15, 1.0, "test") for tier, r in RATIOS.items()},
+    )
+    table.save(tmp_path / "ratios.json")
+    settings.write_text(
+        json.dumps(
+            {
+                "chunk_disk_dir": str(tmp_path / "chunk-disk"),
+                "fusion_ratio_table": str(tmp_path / "ratios.json"),
+            }
+        )
+    )
     config = ServerConfig(
         model_path=str(tiny_llama_path),
         port=free_port(),
@@ -70,8 +98,9 @@ def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) 
             ids.append(created.json()["id"])
         listed = _chunks(config.url)
         assert {c["id"]: c["tiers"] for c in listed["chunks"]} == {i: ["host", "disk"] for i in ids}
-        before, info = _fused(config.url)
+        before, info = _fused(config.url, RATIOS["disk"])
         assert info["fused"] and info["chunks_by_tier"] == {"host": 3}, info
+        assert (info["recompute_ratio"], info["ratio_source"]) == (RATIOS["disk"], "fixed")
         # A keep-alive connection that has served a request, as a live server has.
         session = requests.Session()
         response = session.post(
@@ -96,11 +125,18 @@ def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) 
         listed = _chunks(config.url)
         assert {c["id"]: c["tier"] for c in listed["chunks"]} == dict.fromkeys(ids, "disk")
         assert listed["stats"]["restored_from_disk"] == 3
-        after, info = _fused(config.url)  # no registration since the restart
+        # No registration since the restart; "auto" loads from disk at the disk's ratio.
+        after, info = _fused(config.url, "auto")
         assert info["fused"] and info["chunks_by_tier"] == {"disk": 3}, info
+        assert (info["recompute_ratio"], info["ratio_source"]) == (RATIOS["disk"], "tuned")
         assert after == before
-        _, again = _fused(config.url)
-        assert again["chunks_by_tier"] == {"host": 3}  # promoted by the first read
+        # Streamed: only the rows not recomputed were read, a layer ahead of the compute.
+        load = info["load"]
+        assert 0 < load["bytes_read"] <= 0.9 * load["bytes_dense"] and load["overlapped"], load
+        _wait_until_promoted(config.url, ids)  # in the background, after the request
+        _, again = _fused(config.url, "auto")
+        assert again["chunks_by_tier"] == {"host": 3}
+        assert (again["recompute_ratio"], again["ratio_source"]) == (RATIOS["host"], "tuned")
         stats = _chunks(config.url)["stats"]
         assert stats["hits_by_tier"] == {"host": 3, "disk": 3, "miss": 0}, stats
         assert stats["disk"]["corrupt_dropped"] == 0

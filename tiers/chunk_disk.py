@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,14 +69,44 @@ class LayerRows(NamedTuple):
     bytes_read: int
 
 
+class ChunkReader:
+    """One chunk file held open for row reads, layer by layer (a request streaming it).
+
+    The open descriptor keeps the file readable even if the budget evicts it meanwhile."""
+
+    def __init__(self, tier: ChunkDiskTier, key: str, header: ChunkFileHeader, fd: int) -> None:
+        self.tier = tier
+        self.key = key
+        self.header = header
+        self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def read(self, layer: int, rows: Sequence[int] | None) -> LayerRows:
+        """`rows` (sorted; None: all) of `layer`, every row verified. CorruptChunkError when
+        they fail their checks (the chunk is then dropped from the tier and counted)."""
+        return self.tier._read_layer(self, self._fd, layer, rows)
+
+    def close(self) -> None:
+        self._closer()
+
+
 class ChunkDiskTier:
-    """Thread-safe directory of chunk files under a byte budget (least recently used evicted)."""
+    """Thread-safe directory of chunk files under a byte budget (least recently used evicted).
+
+    `read_bytes_per_s` caps the read rate (benchmarks emulate a slower medium with it)."""
 
     def __init__(
-        self, directory: str | Path, capacity_bytes: int, clock: Callable[[], float] = time.time
+        self,
+        directory: str | Path,
+        capacity_bytes: int,
+        clock: Callable[[], float] = time.time,
+        read_bytes_per_s: float | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"chunk_disk_bytes must be positive, got {capacity_bytes}")
+        if read_bytes_per_s is not None and not read_bytes_per_s > 0:
+            raise ValueError(f"read_bytes_per_s must be positive, got {read_bytes_per_s}")
+        self.read_bytes_per_s = read_bytes_per_s
         self.directory = Path(directory)
         # Told of every chunk that leaves the tier other than by `remove` (evicted by the budget,
         # dropped as corrupt), so an owner can forget chunks no tier holds any more.
@@ -153,12 +184,14 @@ class ChunkDiskTier:
         entry = self._touch(key)
         if entry is None:
             return None
+        began = time.perf_counter()
         try:
             chunk = read_chunk(entry.path, expected_key=key)
         except (CorruptChunkError, OSError) as error:
             self._drop_corrupt(key, error)
             return None
         self._add("bytes_read", entry.nbytes)
+        self._throttle(entry.nbytes, began)
         return chunk
 
     def header(self, key: str) -> ChunkFileHeader | None:
@@ -173,28 +206,50 @@ class ChunkDiskTier:
             self._drop_corrupt(key, error)
             return None
 
-    def read_layers(
-        self, key: str, header: ChunkFileHeader, rows: Sequence[int] | None
-    ) -> list[LayerRows] | None:
+    def read_layers(self, key: str, rows: Sequence[int] | None) -> list[LayerRows] | None:
         """`rows` (sorted; None: all) of every layer, verified; None if the chunk is gone or
         corrupt (then dropped). Only those rows are read from the file."""
+        reader = self.open_reader(key)
+        if reader is None:
+            return None
+        try:
+            return [reader.read(layer, rows) for layer in range(reader.header.num_layers)]
+        except CorruptChunkError:
+            return None
+        finally:
+            reader.close()
+
+    def open_reader(self, key: str) -> ChunkReader | None:
+        """The chunk held open for streamed row reads; None if absent or corrupt (dropped)."""
         entry = self._touch(key)
         if entry is None:
             return None
         try:
+            header = read_header(entry.path)
+            if header.key != key:
+                raise CorruptChunkError(f"{entry.path}: holds {header.key[:12]}")
             fd = os.open(entry.path, os.O_RDONLY)
-            try:
-                layers = [
-                    LayerRows(*read_rows(fd, header, layer, rows))
-                    for layer in range(header.num_layers)
-                ]
-            finally:
-                os.close(fd)
         except (CorruptChunkError, OSError) as error:
             self._drop_corrupt(key, error)
             return None
-        self._add("bytes_read", sum(layer.bytes_read for layer in layers))
-        return layers
+        return ChunkReader(self, key, header, fd)
+
+    def _read_layer(
+        self, reader: ChunkReader, fd: int, layer: int, rows: Sequence[int] | None
+    ) -> LayerRows:
+        began = time.perf_counter()
+        try:
+            layer_rows = LayerRows(*read_rows(fd, reader.header, layer, rows))
+        except (CorruptChunkError, OSError) as error:
+            self._drop_corrupt(reader.key, error)
+            raise CorruptChunkError(f"chunk {reader.key[:12]} layer {layer}: {error}") from error
+        self._add("bytes_read", layer_rows.bytes_read)
+        self._throttle(layer_rows.bytes_read, began)
+        return layer_rows
+
+    def _throttle(self, nbytes: int, began: float) -> None:
+        if self.read_bytes_per_s is not None:  # the rest of the time the medium would take
+            time.sleep(max(0.0, nbytes / self.read_bytes_per_s - (time.perf_counter() - began)))
 
     def remove(self, key: str) -> bool:
         with self._lock:

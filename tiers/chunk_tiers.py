@@ -8,21 +8,30 @@ evicted from host memory after its disk write failed, or evicted by the disk's o
 while not in host memory. The caller drops such chunks from its index (`put` and `pin` return
 them).
 
+With `stream` set, a chunk found only on disk is not read whole when a request pins it: the
+request gets `stream(reader)`, which reads the rows it needs layer by layer; the chunk is
+promoted after the request lets it go, by a background thread (off the request's TTFT).
+
 Thread-safety: each tier locks itself; this class adds no state shared across threads beyond
-its counters (guarded by a lock), so the scheduler thread and a listing request may call it.
+its counters and lists (guarded by a lock), so the scheduler thread, a listing request and the
+promotion thread may call it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, NamedTuple
+from typing import Any, Generic, NamedTuple
 
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier
+from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier, ChunkReader
 from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkLike, ChunkTensors
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, ChunkStoreStats, StoreFullError, V
+
+logger = logging.getLogger(__name__)
 
 HOST = "host"
 DISK = "disk"
@@ -38,10 +47,11 @@ class ChunkSummary(NamedTuple):
     nbytes: int  # bytes of its K, V and scores in memory
 
 
-class Pinned(NamedTuple, Generic[V]):
-    """A chunk held for a request, and the tier it was found in."""
+class Pinned(NamedTuple):
+    """A chunk held for a request (the owner's chunk, or a stream of a disk chunk), and the
+    tier it was found in."""
 
-    chunk: V
+    chunk: Any
     tier: str
 
 
@@ -71,11 +81,16 @@ class TieredChunkStore(Generic[V]):
         disk: ChunkDiskTier | None,
         rebuild: Callable[[ChunkTensors], V],
         summarize: Callable[[V], ChunkSummary],
+        stream: Callable[[ChunkReader], Any] | None = None,
     ) -> None:
         self.host = host
         self.disk = disk
         self._rebuild = rebuild  # tiers do not import fusion: the owner turns rows into chunks
         self._summarize = summarize
+        self._stream = stream
+        self._promoter: ThreadPoolExecutor | None = None
+        self._promotions: list[Future[None]] = []
+        self._lost_later: list[str] = []  # lost by a background promotion, for the next _settle
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._lookups: Counter[str] = Counter()
@@ -164,9 +179,10 @@ class TieredChunkStore(Generic[V]):
 
     # -- reads by requests -----------------------------------------------------------------
 
-    def pin(self, key: str) -> tuple[Pinned[V] | None, list[str]]:
-        """Hold `key` for a request (from host memory, else promoted from disk), or None if no
-        tier has it (or its disk copy failed its checks); with the keys no tier holds any more."""
+    def pin(self, key: str) -> tuple[Pinned | None, list[str]]:
+        """Hold `key` for a request (from host memory, else streamed or promoted from disk), or
+        None if no tier has it (or its disk copy failed its checks); with the keys no tier holds
+        any more."""
         try:
             chunk = self.host.pin(key)
         except KeyError:
@@ -174,6 +190,15 @@ class TieredChunkStore(Generic[V]):
         else:
             self._count_lookup(HOST)
             return Pinned(chunk, HOST), []
+        if self._stream is not None and self.disk is not None:
+            reader = self.disk.open_reader(key)
+            if reader is None:
+                self._count_lookup("miss")
+                return None, self._settle([])
+            self._count_lookup(DISK)
+            with self._lock:
+                self._loans[key] += 1
+            return Pinned(self._stream(reader), DISK), self._settle([])
         tensors = self.disk.get(key) if self.disk is not None else None
         if tensors is None:
             self._count_lookup("miss")
@@ -192,10 +217,51 @@ class TieredChunkStore(Generic[V]):
 
     def unpin(self, key: str) -> None:
         with self._lock:
-            if self._loans[key] > 0:
+            loaned = self._loans[key] > 0
+            if loaned:
                 self._loans[key] -= 1
-                return
-        self.host.unpin(key)
+        if not loaned:
+            self.host.unpin(key)
+        elif self._stream is not None:
+            self._promote_later(key)
+
+    def promote(self, key: str) -> bool:
+        """Read `key` whole from disk into host memory; False if it is there already, gone, or
+        host memory has no room (its pinned chunks fill it)."""
+        if key in self.host or self.disk is None:
+            return False
+        tensors = self.disk.get(key)
+        if tensors is None:
+            return False
+        try:
+            evicted = self.host.put(key, self._rebuild(tensors))
+        except StoreFullError:
+            return False
+        self._add("promotions")
+        lost = self._settle(evicted)
+        with self._lock:
+            self._lost_later.extend(lost)
+        return True
+
+    def wait_for_promotions(self) -> None:
+        """Block until the promotions queued so far are done (tests, orderly shutdown)."""
+        with self._lock:
+            pending, self._promotions = self._promotions, []
+        for future in pending:
+            future.exception()
+
+    def _promote_later(self, key: str) -> None:
+        with self._lock:
+            if self._promoter is None:
+                self._promoter = ThreadPoolExecutor(1, thread_name_prefix="chunk-promoter")
+            self._promotions = [f for f in self._promotions if not f.done()]
+            self._promotions.append(self._promoter.submit(self._promote_logged, key))
+
+    def _promote_logged(self, key: str) -> None:
+        try:
+            self.promote(key)
+        except Exception:  # a background thread must not die silently
+            logger.exception("chunk %s: promotion to host memory failed", key[:12])
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -223,11 +289,13 @@ class TieredChunkStore(Generic[V]):
         (host evictions without a disk copy, disk evictions and drops not in host memory)."""
         with self._lock:
             dropped, self._dropped_from_disk = self._dropped_from_disk, []
+            later, self._lost_later = self._lost_later, []
         demoted = [key for key in evicted_from_host if key in self]
         lost = list(dict.fromkeys(k for k in (*evicted_from_host, *dropped) if k not in self))
         self._add("demotions", len(demoted))
         self._add("lost", len(lost))
-        return lost
+        # Lost by a background promotion (counted then): the owner hears of them now.
+        return lost + [k for k in dict.fromkeys(later) if k not in lost and k not in self]
 
     def _count_lookup(self, tier: str) -> None:
         with self._lock:

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from sglang_hicache_ext.fusion.executor import FusionJob, FusionResult, fused_prefill_batch
+from sglang_hicache_ext.fusion.request import ChunkSegment
 from sglang_hicache_ext.fusion.request_state import KVCache
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows, RoundRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime, RequestPlan
+from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 
 logger = logging.getLogger(__name__)
@@ -106,12 +108,14 @@ def _job(
     outputs_from = num_tokens - 1
     if getattr(req, "return_logprob", False) and req.logprob_start_len >= 0:
         outputs_from = min(max(req.logprob_start_len, plan.prefix_len), num_tokens - 1)
+    assert plan.options is not None
     return FusionJob(
         plan.segments,
         plan.selector(),
         exact_prefix=_exact_prefix(adapter, runner, forward_batch, index, plan.prefix_len),
         outputs_from=outputs_from,
         return_kv=True,
+        overlap_loads=plan.options.overlap_loads,
     )
 
 
@@ -140,7 +144,9 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
     info = {
         "fused": True,
         "selector": plan.options.selector,
-        "recompute_ratio": plan.options.recompute_ratio,
+        "recompute_ratio": plan.recompute_ratio,
+        # "tuned": "auto" resolved from the ratio table for the tiers the chunks came from
+        "ratio_source": "fixed" if plan.tuned_ratio is None else "tuned",
         "sink_tokens": plan.options.sink_tokens,
         "chunks_hit": len(plan.pinned),
         "chunks_by_tier": plan.chunk_tiers,  # where each chunk's KV was loaded from
@@ -149,6 +155,20 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
         "tokens_reused": reused,
         "tokens_recomputed": result.num_tokens - prefix_len - reused,
     }
+    streamed = [
+        segment.chunk
+        for segment in plan.segments
+        if isinstance(segment, ChunkSegment) and isinstance(segment.chunk, StreamedChunk)
+    ]
+    if streamed:
+        stats = {id(chunk.stats): chunk.stats for chunk in streamed}.values()
+        info["load"] = {  # chunks read from disk: sparse bytes vs dense, time hidden
+            "bytes_read": sum(s.bytes_read for s in stats),
+            "bytes_dense": sum(chunk.dense_bytes for chunk in streamed),
+            "read_s": sum(s.read_s for s in stats),
+            "wait_s": result.load_wait_s,
+            "overlapped": plan.options.overlap_loads,
+        }
     # The logits processor expects the model's output: final-normed hidden states.
     hidden = adapter.final_norm(result.hidden)
     plan.req.skip_radix_cache_insert = True  # fused KV never enters the prefix tree
@@ -181,7 +201,7 @@ def _count_fused(
         options = plan.options
         metrics.fused_request(
             options.selector,
-            options.recompute_ratio,
+            plan.recompute_ratio,
             info["tokens_reused"],
             info["tokens_recomputed"],
             seconds,

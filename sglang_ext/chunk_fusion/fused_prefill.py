@@ -2,7 +2,8 @@
 
 Per request, `sampling_params.custom_params` (flat keys, so they survive SGLang's IPC):
   `fusion` (bool), `fusion_selector` (str), `fusion_recompute_ratio` (float in [0, 1]),
-  `fusion_sink_tokens` (int >= 0: the first tokens of each chunk go first in the budget);
+  `fusion_sink_tokens` (int >= 0: the first tokens of each chunk go first in the budget),
+  `fusion_overlap_loads` (bool: read disk chunk rows a layer ahead, under the compute);
 unset keys take the server defaults from the extension settings.
 
 At forward time (AROUND `ModelRunner._forward_raw`), an extend batch in which every request is
@@ -45,6 +46,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
 )
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import FusedTtftMetrics
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.tiers.chunk_file import CorruptChunkError
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +136,16 @@ def forward_with_fusion(
     try:
         if all(plan.fused for plan in plans):
             adapter = rt.adapter(runner)
-            if adapter is not None:
-                return run_fused_batch(rt, adapter, runner, forward_batch, plans)
-            fall_back(rt, plans, "no_adapter")
+            if adapter is None:
+                fall_back(rt, plans, "no_adapter")
+            else:
+                try:
+                    return run_fused_batch(rt, adapter, runner, forward_batch, plans)
+                except CorruptChunkError as err:
+                    # A streamed disk row failed its checksum before anything was written:
+                    # the tier dropped the chunk, the batch is computed normally.
+                    logger.error("fusion: %s; normal prefill", err)
+                    fall_back(rt, plans, "chunk_unreadable")
             count_fallbacks(rt, plans)  # plan_batch counted none: every plan was fused then
         output = original(runner, forward_batch, *args, **kwargs)
         _report(output.logits_output, [plan.info() for plan in plans])

@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from sglang_hicache_ext.sglang_ext.server.settings import (
+    AUTO_RATIO,
     ExtensionSettings,
-    RecomputeRatio,
+    RatioOrAuto,
     SelectorName,
     SinkTokens,
     bound_phrase,
@@ -25,6 +26,7 @@ ENABLE_KEY = "fusion"
 SELECTOR_KEY = "fusion_selector"
 RATIO_KEY = "fusion_recompute_ratio"
 SINK_KEY = "fusion_sink_tokens"
+OVERLAP_KEY = "fusion_overlap_loads"
 META_KEY = "hicache_ext_fusion"
 
 # Each option's custom_params key and the setting that is its server default.
@@ -33,6 +35,7 @@ SERVER_DEFAULTS: dict[str, str] = {
     SELECTOR_KEY: "fusion_selector",
     RATIO_KEY: "fusion_recompute_ratio",
     SINK_KEY: "fusion_sink_tokens",
+    OVERLAP_KEY: "fusion_overlap_loads",
 }
 OPTION_KEYS: tuple[str, ...] = tuple(SERVER_DEFAULTS)
 
@@ -47,8 +50,9 @@ class FusionOptions(BaseModel):
 
     enabled: bool = Field(alias=ENABLE_KEY)
     selector: SelectorName = Field(alias=SELECTOR_KEY)
-    recompute_ratio: RecomputeRatio = Field(alias=RATIO_KEY)
+    recompute_ratio: RatioOrAuto = Field(alias=RATIO_KEY)
     sink_tokens: SinkTokens = Field(alias=SINK_KEY)
+    overlap_loads: bool = Field(alias=OVERLAP_KEY)
 
 
 def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOptions:
@@ -64,9 +68,15 @@ def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOpti
         key: params.get(key, getattr(defaults, name)) for key, name in SERVER_DEFAULTS.items()
     }
     try:
-        return FusionOptions.model_validate(values)
+        options = FusionOptions.model_validate(values)
     except ValidationError as err:
         raise ValueError(_refusal(err.errors()[0])) from None
+    if options.recompute_ratio == AUTO_RATIO and not defaults.fusion_ratio_table:
+        raise ValueError(
+            f'custom_params.{RATIO_KEY} = "auto" needs a ratio table, and this server has none '
+            "(setting fusion_ratio_table)"
+        )
+    return options
 
 
 # What each value type must be, in the words of a 400.
@@ -78,6 +88,8 @@ def _refusal(error: ErrorDetails) -> str:
     given = _short(error["input"])
     if key == SELECTOR_KEY:  # a wrong type or an unknown name: the same answer
         return f"custom_params.{key} = {given} {selector_choices()}"
+    if key == RATIO_KEY:  # a union: pydantic reports one error per member
+        return f'custom_params.{key} must be a number in [0, 1] or "auto", got {given}'
     field = next(f for f in FusionOptions.model_fields.values() if f.alias == key)
     must_be = " ".join(filter(None, (_MUST_BE[field.annotation], bound_phrase(field))))
     return f"custom_params.{key} must be {must_be}, got {given}"

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import weakref
 from collections import Counter
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment, slice_chunk
@@ -22,7 +23,8 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModel
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.server.settings import AUTO_RATIO, ExtensionSettings
+from sglang_hicache_ext.tuning.ratio.table import RatioTable, load_ratio_table
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,15 @@ class FusionRuntime:
         self.counters: Counter[str] = Counter()
         self._adapter: SGLangModelAdapter | None = None
         self._adapter_error: str | None = None
+        self._ratio_table: RatioTable | None = None
+
+    def ratio_table(self) -> RatioTable:
+        """The tuned ratios of `fusion_ratio_table` (read once; ValueError when unusable)."""
+        if self._ratio_table is None:
+            if not self.settings.fusion_ratio_table:
+                raise ValueError("no fusion_ratio_table is set")
+            self._ratio_table = load_ratio_table(Path(self.settings.fusion_ratio_table))
+        return self._ratio_table
 
     def adapter(self, runner: Any) -> SGLangModelAdapter | None:
         if self._adapter is None and self._adapter_error is None:
@@ -108,6 +119,7 @@ class RequestPlan:
     segments: list[Segment] = dataclasses.field(default_factory=list)
     pinned: list[str] = dataclasses.field(default_factory=list)  # chunk ids held for the round
     chunk_tiers: dict[str, int] = dataclasses.field(default_factory=dict)  # tier -> chunks
+    tuned_ratio: float | None = None  # the ratio "auto" resolved to for these chunks' tiers
     fallback: str | None = None
     # A later round of a fused request: its rows were computed in the first round.
     continuation: FusedRows | None = None
@@ -120,12 +132,18 @@ class RequestPlan:
             and (bool(self.pinned) or self.continuation is not None)
         )
 
+    @property
+    def recompute_ratio(self) -> float:
+        assert self.options is not None
+        if self.tuned_ratio is not None:
+            return self.tuned_ratio
+        assert self.options.recompute_ratio != AUTO_RATIO, "auto ratio not resolved"
+        return float(self.options.recompute_ratio)
+
     def selector(self) -> Selector:
         assert self.options is not None
         return make_selector(
-            self.options.selector,
-            self.options.recompute_ratio,
-            sink_tokens=self.options.sink_tokens,
+            self.options.selector, self.recompute_ratio, sink_tokens=self.options.sink_tokens
         )
 
     def info(self) -> dict[str, Any] | None:
@@ -213,11 +231,19 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     plan.fallback = _fallback_reason(rt, req)
     if plan.fallback is not None:
         return
-    plan.segments, plan.pinned, plan.chunk_tiers = pinned_chunk_segments(
+    plan.segments, plan.pinned, plan.chunk_tiers, tokens_by_tier = pinned_chunk_segments(
         rt.registry, list(req.origin_input_ids)
     )
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
+    elif plan.options is not None and plan.options.recompute_ratio == AUTO_RATIO:
+        try:
+            plan.tuned_ratio = rt.ratio_table().ratio_for(tokens_by_tier)
+        except (KeyError, ValueError) as err:  # checked at launch; a table edited since
+            logger.error("fusion: no tuned ratio for request %s: %s", plan.rid, err)
+            plan.release(rt.registry)
+            plan.fallback = "ratio_not_tuned"
+            return
     elif plan.prefix_len >= _last_chunk_end(plan.segments):
         # Every chunk token is in the exact cached prefix: nothing is left to fuse, and the
         # normal prefill of the rest is exact and no slower.
@@ -307,6 +333,7 @@ class PinnedSegments(NamedTuple):
     segments: list[Segment]
     pinned: list[str]  # chunk ids held for the request (callers unpin)
     tiers: dict[str, int]  # how many chunks each tier served
+    tokens_by_tier: dict[str, int]  # how many chunk tokens each tier served
 
 
 def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedSegments:
@@ -316,6 +343,7 @@ def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedS
     segments: list[Segment] = []
     pinned: list[str] = []
     tiers: Counter[str] = Counter()
+    tokens_by_tier: Counter[str] = Counter()
     cursor = 0
     metrics = extension_metrics()
     for match in registry.index.find(tokens):
@@ -327,6 +355,7 @@ def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedS
         chunk = held.chunk
         pinned.append(match.chunk_id)
         tiers[held.tier] += 1
+        tokens_by_tier[held.tier] += match.chunk_end - match.chunk_start
         if match.prompt_start > cursor:
             segments.append(TextSegment(tuple(tokens[cursor : match.prompt_start])))
         span = slice_chunk(chunk, match.chunk_start, match.chunk_end)
@@ -336,4 +365,4 @@ def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedS
         cursor = match.prompt_end
     if cursor < len(tokens):
         segments.append(TextSegment(tuple(tokens[cursor:])))
-    return PinnedSegments(segments, pinned, dict(tiers))
+    return PinnedSegments(segments, pinned, dict(tiers), dict(tokens_by_tier))

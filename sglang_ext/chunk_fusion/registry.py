@@ -26,6 +26,7 @@ from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
+from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunk_file import ChunkTensors
@@ -83,10 +84,17 @@ class ChunkRegistry:
         rope: RopeSpec,
         alpha: float = DEFAULT_ALPHA,
         disk: ChunkDiskTier | None = None,
+        stream_from_disk: bool = True,
     ) -> None:
         self.index = ChunkIndex()
+        # Streamed: a request reads only the disk rows it reuses, layer by layer under the
+        # compute; the chunk is promoted to host memory after the request, in the background.
         self.store: TieredChunkStore[PrecomputedChunk] = TieredChunkStore(
-            ChunkStore(capacity_bytes), disk, _rebuild, _summary
+            ChunkStore(capacity_bytes),
+            disk,
+            _rebuild,
+            _summary,
+            stream=StreamedChunk if stream_from_disk else None,
         )
         self._rope = rope
         self._alpha = alpha
@@ -129,8 +137,9 @@ class ChunkRegistry:
         if chunk_ids:
             self.generation += 1
 
-    def pin(self, chunk_id: str) -> Pinned[PrecomputedChunk] | None:
-        """Hold a chunk for a request (promoted from disk if needed); None if no tier has it."""
+    def pin(self, chunk_id: str) -> Pinned | None:
+        """Hold a chunk for a request (host memory, else streamed from disk); None if no tier
+        has it."""
         pinned, lost = self.store.pin(chunk_id)
         self.forget(lost)
         if lost or (pinned is not None and pinned.tier != "host"):

@@ -103,6 +103,28 @@ def check_chunk_disk(settings: ExtensionSettings) -> None:
         raise PreflightError(f"{name}: cannot use it ({err.strerror or err})") from err
 
 
+def check_ratio_table(settings: ExtensionSettings, model_path: str) -> None:
+    """The tuned ratio table: readable, tuned for this model and for every chunk tier in use."""
+    if not settings.fusion_ratio_table:
+        return
+    from sglang_hicache_ext.tuning.ratio.table import load_ratio_table
+
+    name = f"fusion_ratio_table {settings.fusion_ratio_table}"
+    try:
+        table = load_ratio_table(Path(settings.fusion_ratio_table).expanduser())
+    except ValueError as err:
+        raise PreflightError(f"{name}: {err}") from err
+    model = Path(model_path.rstrip("/")).name
+    if table.model != model:
+        raise PreflightError(f"{name} was tuned for model {table.model}, this server runs {model}")
+    missing = [tier for tier in settings.chunk_tier_names if tier not in table.tiers]
+    if missing:
+        raise PreflightError(
+            f"{name} has no ratio for chunk tier(s) {', '.join(missing)}; tune them "
+            "(python -m sglang_hicache_ext.tuning.ratio tune --tier ...)"
+        )
+
+
 def _looks_local(model_path: str) -> bool:
     # Hub ids are "org/name"; anything absolute, relative-dotted or home-based is a folder.
     return model_path.startswith(("/", "./", "../", "~")) or Path(model_path).expanduser().exists()
@@ -154,6 +176,7 @@ def run_checks(server_args: Any, serving_http: bool) -> None:
     settings = check_settings(server_args)
     check_disk_tier(server_args)
     check_chunk_disk(settings)
+    check_ratio_table(settings, str(server_args.model_path))
     if not settings.preflight_checks:
         return
     check_model_path(str(server_args.model_path))

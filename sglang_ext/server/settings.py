@@ -63,6 +63,10 @@ def _tier_order(tiers: list[str]) -> list[str]:
 # Shared with the per-request options (`chunk_fusion/options.py`), so both check alike.
 SelectorName = Annotated[str, AfterValidator(_known_selector)]
 RecomputeRatio = Annotated[float, Field(ge=0, le=1)]
+# "auto": the ratio tuned for the tier each chunk is loaded from (setting fusion_ratio_table).
+AUTO_RATIO = "auto"
+RatioOrAuto = RecomputeRatio | Literal["auto"]
+RATIO_CHOICES = 'must be in [0, 1] or "auto"'
 SinkTokens = Annotated[int, Field(ge=0)]
 
 
@@ -107,19 +111,38 @@ class ExtensionSettings(BaseModel):
     chunk_disk_bytes: int = Field(
         64 * 1024**3, gt=0, description="Byte budget of the chunk disk tier, LRU beyond it."
     )
+    chunk_disk_read_bytes_per_s: int = Field(
+        0,
+        ge=0,
+        description="Cap on the chunk disk tier's read rate, to emulate a slower medium "
+        "(benchmarks); 0 = the disk's own speed.",
+        json_schema_extra={"zero_means": "the disk's own speed"},
+    )
     fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
     # question_error with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B
     # (teacher-forced KL gap closed 0.44 vs a3 0.15, 200 HotpotQA questions, docs/fusion-quality.md)
     fusion_selector: SelectorName = Field(
         "question_error", description="Server default of custom_params.fusion_selector."
     )
-    fusion_recompute_ratio: RecomputeRatio = Field(
-        0.15, description="Server default of custom_params.fusion_recompute_ratio."
+    fusion_recompute_ratio: RatioOrAuto = Field(
+        0.15,
+        description='Server default of custom_params.fusion_recompute_ratio; "auto" uses the '
+        "ratio tuned for the tier each chunk is loaded from (needs fusion_ratio_table).",
+    )
+    fusion_ratio_table: str | None = Field(
+        None,
+        description="JSON file of recompute ratios tuned per chunk tier for the served model "
+        "(python -m sglang_hicache_ext.tuning.ratio tune); enables the ratio \"auto\".",
     )
     fusion_sink_tokens: SinkTokens = Field(
         8,
         description="First tokens of each chunk put first in the recompute budget "
         "(0 = the papers' selectors).",
+    )
+    fusion_overlap_loads: bool = Field(
+        True,
+        description="Server default of custom_params.fusion_overlap_loads: read the next "
+        "layer's rows of disk chunks while this layer computes.",
     )
     chunk_max_body_bytes: int = Field(
         4 * 1024**2, gt=0, description="Largest POST /chunks body, checked before parsing."
@@ -152,6 +175,15 @@ class ExtensionSettings(BaseModel):
                 "chunk_tiers names 'disk' but chunk_disk_dir is not set"
                 if "disk" in self.chunk_tiers
                 else "chunk_disk_dir is set but chunk_tiers leaves out 'disk'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _auto_ratio_has_a_table(self) -> ExtensionSettings:
+        if self.fusion_recompute_ratio == AUTO_RATIO and not self.fusion_ratio_table:
+            raise ValueError(
+                'fusion_recompute_ratio "auto" needs fusion_ratio_table (a file written by '
+                "python -m sglang_hicache_ext.tuning.ratio tune)"
             )
         return self
 
@@ -192,6 +224,8 @@ def _describe(error: ErrorDetails) -> str:
     name = str(error["loc"][0])
     field = ExtensionSettings.model_fields[name]
     given = f"{name} = {error['input']!r}"
+    if name == "fusion_recompute_ratio":  # a union: pydantic reports one error per member
+        return f"{given} {RATIO_CHOICES}"
     kind = error["type"]
     if kind == "literal_error":
         if len(error["loc"]) > 1:  # an item of a list setting: pydantic names the choices
