@@ -81,10 +81,11 @@ def test_warm_start_at_the_optimum_needs_no_more_evaluations_than_a_cold_start()
 
 @pytest.mark.parametrize("prior", [0.15, 0.3, 1.0])
 def test_a_monotone_objective_ends_at_its_bound(prior: float) -> None:
+    # The bound itself is evaluated and returned, not the last bracket's midpoint above it.
     rising = golden_section(lambda r: r, prior, 0.15, 1.0, tolerance=0.01)
-    assert rising.ratio == pytest.approx(0.15, abs=0.01)
+    assert rising.ratio == 0.15 and rising.best_probe.ratio == 0.15
     falling = golden_section(lambda r: -r, prior, 0.15, 1.0, tolerance=0.01)
-    assert falling.ratio == pytest.approx(1.0, abs=0.01)
+    assert falling.ratio == 1.0
     assert all(0.15 <= p.ratio <= 1.0 for p in rising.probes + falling.probes)
 
 

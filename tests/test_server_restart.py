@@ -1,7 +1,8 @@
 """A server restarted 1 s after `kill -9` starts on the same port (no false "port in use"), and
 finds the chunks registered before on its chunk disk tier: fused requests hit them without a
 new registration and answer exactly as before the crash. With the recompute ratio "auto", each
-request takes the ratio tuned for the tier its chunks are loaded from."""
+request takes the ratio tuned for the tier its chunks are loaded from. A chunk file damaged while
+the server was down is never used: the request reading it gets the normal prefill."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import requests
 
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.tiers.chunk_file import read_header
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
 from tests.server_processes import TCP_LISTEN, server_process_group, tcp_states_on_port
 
@@ -28,21 +30,24 @@ DOCUMENTS = [
     for topic in ("lighthouses", "glaciers", "orchards")
 ]
 PROMPT = "Documents:\n" + "\n".join(DOCUMENTS[::-1]) + "\nQuestion: which entry is oldest?\nAnswer:"
+DAMAGED = "Record tides: " + " ".join(f"the tide {i} rose at {i % 12} o'clock." for i in range(12))
 
 
 # Tuned ratios of this test (a real table comes from `tuning.ratio tune`): disk loads cost more.
 RATIOS = {"host": 0.15, "disk": 0.4}
 
 
-def _fused(url: str, ratio: float | str) -> tuple[list[int], dict]:
+def _fused(
+    url: str, ratio: float | str, text: str = PROMPT, **custom: object
+) -> tuple[list[int], dict]:
     response = requests.post(
         url + "/generate",
         json={
-            "text": PROMPT,
+            "text": text,
             "sampling_params": {
                 "max_new_tokens": 8,
                 "temperature": 0,
-                "custom_params": {"fusion": True, "fusion_recompute_ratio": ratio},
+                "custom_params": {"fusion": True, "fusion_recompute_ratio": ratio, **custom},
             },
         },
         timeout=300,
@@ -98,6 +103,14 @@ def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) 
             ids.append(created.json()["id"])
         listed = _chunks(config.url)
         assert {c["id"]: c["tiers"] for c in listed["chunks"]} == {i: ["host", "disk"] for i in ids}
+        damaged = requests.post(config.url + "/chunks", json={"text": DAMAGED}, timeout=120)
+        assert damaged.status_code == 200, damaged.text
+        damaged_id = damaged.json()["id"]
+        normal = requests.post(
+            config.url + "/generate",
+            json={"text": DAMAGED, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+            timeout=300,
+        ).json()["output_ids"]
         before, info = _fused(config.url, RATIOS["disk"])
         assert info["fused"] and info["chunks_by_tier"] == {"host": 3}, info
         assert (info["recompute_ratio"], info["ratio_source"]) == (RATIOS["disk"], "fixed")
@@ -117,14 +130,24 @@ def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) 
     # The old check (a bind without SO_REUSEADDR) would refuse the port now.
     with socket.socket() as plain, pytest.raises(OSError):
         plain.bind((config.host, config.port))
+    # A bad sector in the damaged chunk's keys while the server is down.
+    (path,) = (tmp_path / "chunk-disk").rglob(f"{damaged_id}.chunk")
+    header = read_header(path)
+    with open(path, "r+b") as file:
+        file.seek(header.key_offset(1) + 3 * header.key_row_bytes + 5)
+        byte = file.read(1)
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([byte[0] ^ 0x08]))
     time.sleep(max(0.0, 1.0 - (time.monotonic() - killed_at)))
     restarted_at = time.monotonic()
     with running_server(config, log_path=tmp_path / "second.log", startup_timeout_s=180):
         assert requests.get(config.url + "/health", timeout=10).status_code == 200
         healthy_s = time.monotonic() - restarted_at
         listed = _chunks(config.url)
-        assert {c["id"]: c["tier"] for c in listed["chunks"]} == dict.fromkeys(ids, "disk")
-        assert listed["stats"]["restored_from_disk"] == 3
+        assert {c["id"]: c["tier"] for c in listed["chunks"]} == dict.fromkeys(
+            [*ids, damaged_id], "disk"
+        )  # its header is sound: the damage is found when its rows are read
+        assert listed["stats"]["restored_from_disk"] == 4
         # No registration since the restart; "auto" loads from disk at the disk's ratio.
         after, info = _fused(config.url, "auto")
         assert info["fused"] and info["chunks_by_tier"] == {"disk": 3}, info
@@ -140,6 +163,15 @@ def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) 
         stats = _chunks(config.url)["stats"]
         assert stats["hits_by_tier"] == {"host": 3, "disk": 3, "miss": 0}, stats
         assert stats["disk"]["corrupt_dropped"] == 0
+        # Every row of the damaged chunk is read at r = 0: the bad one stops the fused forward,
+        # the normal prefill answers, the chunk is dropped and counted.
+        output, info = _fused(config.url, 0.0, DAMAGED, fusion_selector="reuse")
+        assert info == {"fused": False, "fallback": "chunk_unreadable"}, info
+        assert output == normal
+        listed = _chunks(config.url)
+        assert damaged_id not in {c["id"] for c in listed["chunks"]}
+        assert listed["stats"]["disk"]["corrupt_dropped"] == 1
+        assert not path.exists()
         print(
             f"\nrestart {restarted_at - killed_at:.1f} s after kill -9 (sockets left on the port: "
             f"{leftovers}): healthy after {healthy_s:.0f} s; 3 chunks found on disk, fused "
