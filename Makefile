@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 
 env: $(STAMP)
 
-$(STAMP): requirements/cpu.lock requirements/constraints.txt pyproject.toml devenv/install_stubs.py
+$(STAMP): requirements/cpu.lock requirements/constraints.txt pyproject.toml devenv/install_stubs.py devenv/mooncake_deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
@@ -27,7 +27,8 @@ $(STAMP): requirements/cpu.lock requirements/constraints.txt pyproject.toml deve
 	$(PY) -m pip install -q -c requirements/constraints.txt -r requirements/cpu.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) devenv/install_stubs.py
-	$(PY) -c "import sglang.launch_server, sglang_hicache_ext.sglang_ext.plugin; print('CPU environment ready')"
+	bash devenv/mooncake_deps.sh $(VENV)
+	$(PY) -c "import sglang.launch_server, sglang_hicache_ext.sglang_ext.plugin; from sglang_hicache_ext.tiers.mooncake_store import store_class; store_class(); print('CPU environment ready')"
 	touch $@
 
 models: $(MODELS_STAMP)

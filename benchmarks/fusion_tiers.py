@@ -8,7 +8,10 @@ registered HotpotQA paragraphs (as `fusion_speed`). One server per tier, one aft
                   chunk there: nothing is promoted);
   disk_throttled  the same disk capped (`chunk_disk_read_bytes_per_s`) at the rate where loading a
                   token's K/V costs what recomputing it does on this CPU (t_i = t_c, measured on
-                  the `disk` server), a stand-in for a slow medium.
+                  the `disk` server), a stand-in for a slow medium;
+  mooncake        chunks in a Mooncake Store on loopback: a master and a separate process lending
+                  the store its memory, the server lending none (`chunk_store_bytes` = 1 again), so
+                  every chunk is fetched whole from another process over TCP at each request.
 Per tier: `tuning.ratio` profiles t_c / t_i / t_o and runs the warm-started golden-section
 search (r_min = the model's quality floor, else 0.15); every ratio of the 0.05 grid from r_min
 to 1 is measured; the tuned ratio is then compared with the best grid ratio in fresh,
@@ -16,9 +19,10 @@ interleaved runs (`--rounds` per prompt each: the minimum of a noisy grid is bia
 disk tiers the
 same requests run with and without overlapped loading, with the transfer time the server
 measured. TTFT = client latency of /generate with max_new_tokens=1 after /flush_cache, medians
-over the prompts. Mooncake: not measured (no Mooncake tier yet).
+over the prompts. `--tiers` measures some tiers and replaces only theirs in an existing result
+file (each tier's baseline is its own server's full prefill, measured in the same run).
 
-    python -m benchmarks.fusion_tiers [--repeats 3]
+    python -m benchmarks.fusion_tiers [--repeats 3] [--tiers mooncake]
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,7 @@ from benchmarks.smollm2_server import (
     smollm2_tokenizer,
 )
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
+from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
 from sglang_hicache_ext.tuning.ratio.calibration import (
     DEFAULT_R_MIN,
     TierProfile,
@@ -57,23 +63,33 @@ from sglang_hicache_ext.tuning.ratio.server_probe import (
     register,
 )
 
-TIERS = ("dram", "disk", "disk_throttled")
+TIERS = ("dram", "disk", "disk_throttled", "mooncake")
+SERVED_FROM = {"dram": "host", "disk": "disk", "disk_throttled": "disk", "mooncake": "mooncake"}
+MOONCAKE_SEGMENT_BYTES = 2 * 1024**3  # lent by the separate process: every prompt's chunks
 
 
 @contextmanager
 def tier_server(tier: str, read_bytes_per_s: int) -> Iterator[ServerConfig]:
+    folder = Path(tempfile.mkdtemp(prefix="bench-tiers-"))
     settings: dict[str, Any] = {}
-    if tier != "dram":
-        settings = {
-            "chunk_disk_dir": tempfile.mkdtemp(prefix="bench-chunks-"),
-            "chunk_store_bytes": 1,
-        }
-    if tier == "disk_throttled":
-        settings["chunk_disk_read_bytes_per_s"] = read_bytes_per_s
-    path = Path(tempfile.mkdtemp(prefix="bench-tiers-")) / "hicache_ext.json"
-    path.write_text(json.dumps(settings))
-    with smollm2_server(f"tiers-{tier}", env={"SGLANG_HICACHE_EXT_CONFIG": str(path)}) as config:
-        yield config
+    with ExitStack() as stack:
+        if tier.startswith("disk"):
+            settings = {"chunk_disk_dir": str(folder / "chunks"), "chunk_store_bytes": 1}
+        if tier == "disk_throttled":
+            settings["chunk_disk_read_bytes_per_s"] = read_bytes_per_s
+        if tier == "mooncake":
+            master = stack.enter_context(
+                running_master(folder / "mooncake.log", MOONCAKE_SEGMENT_BYTES)
+            )
+            settings = {
+                "chunk_store_bytes": 1,
+                "chunk_mooncake_master": master.address,
+                "chunk_mooncake_segment_bytes": 0,
+            }
+        path = folder / "hicache_ext.json"
+        path.write_text(json.dumps(settings))
+        env = {"SGLANG_HICACHE_EXT_CONFIG": str(path)}
+        yield stack.enter_context(smollm2_server(f"tiers-{tier}", env=env))
 
 
 def grid(r_min: float) -> list[float]:
@@ -107,7 +123,7 @@ def interleaved(
 def measure_tier(
     tier: str, prompts: list[CalibrationPrompt], r_min: float, read_bytes_per_s: int, rounds: int
 ) -> tuple[dict[str, Any], TierProfile]:
-    served_from = "host" if tier == "dram" else "disk"
+    served_from = SERVED_FROM[tier]
     with tier_server(tier, read_bytes_per_s) as config:
         url = config.url
         register(url, prompts)
@@ -121,7 +137,7 @@ def measure_tier(
         tuned_ratio = round(search.ratio, 4)
         confirm = interleaved(url, prompts, served_from, sorted({tuned_ratio, best_ratio}), rounds)
         overlap = {}
-        if tier != "dram":
+        if tier.startswith("disk"):  # streamed tiers (a Mooncake chunk is fetched whole)
             for ratio in sorted({r_min, round(search.ratio, 2)}):
                 on = _median_run(url, prompts, served_from, recompute_ratio=ratio)
                 off = _median_run(
@@ -168,6 +184,10 @@ def main() -> int:
     parser.add_argument("--min-tokens", type=int, default=3000)
     parser.add_argument("--r-min", type=float, help="default: the model's quality floor, else 0.15")
     parser.add_argument("--rounds", type=int, default=3, help="runs per prompt of the final check")
+    parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
+    parser.add_argument(
+        "--throttle", type=int, help="disk_throttled read rate, B/s (default: from the disk tier)"
+    )
     args = parser.parse_args()
     floor = quality_floor(MODEL)
     r_min = args.r_min or (floor.ratio if floor is not None and floor.ratio else DEFAULT_R_MIN)
@@ -175,11 +195,16 @@ def main() -> int:
         CalibrationPrompt(tuple(docs), text)
         for docs, text in build_prompts(args.repeats, 6, args.min_tokens, smollm2_tokenizer())
     ]
-    results: dict[str, Any] = {}
-    throttle = 0
-    for tier in TIERS:
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results: dict[str, Any] = dict(previous.get("tiers", {}))
+    throttle = args.throttle or (results.get("disk_throttled") or {}).get("read_bytes_per_s") or 0
+    for tier in args.tiers:
+        if tier == "disk_throttled" and not throttle:
+            raise SystemExit("disk_throttled needs the disk tier first, or --throttle")
         results[tier], profile = measure_tier(tier, prompts, r_min, throttle, args.rounds)
-        if tier == "disk":  # the rate where loading a token costs what recomputing it does
+        results[tier]["measured_on"] = date.today().isoformat()
+        if tier == "disk" and not args.throttle:
+            # The rate where loading a token costs what recomputing it does.
             throttle = int(profile.kv_bytes_per_token_layer / profile.costs.recompute_s)
         row = results[tier]
         print(
@@ -194,7 +219,7 @@ def main() -> int:
         "prompts": len(prompts),
         "r_min": r_min,
         "ttft_method": "client latency of /generate with max_new_tokens=1, after /flush_cache",
-        "tiers": results,
+        "tiers": {tier: results[tier] for tier in TIERS if tier in results},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -239,7 +239,12 @@ def plot_ttl_budgets(results: Path, out: Path) -> Path:
     return _save(figure, title, out)
 
 
-TIER_STYLES = {"dram": "tab:blue", "disk": "tab:green", "disk_throttled": "tab:red"}
+TIER_STYLES = {
+    "dram": "tab:blue",
+    "disk": "tab:green",
+    "disk_throttled": "tab:red",
+    "mooncake": "tab:purple",
+}
 
 
 def plot_fusion_tiers(results_file: Path, out: Path) -> Path:

@@ -25,6 +25,8 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
 )
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteTier
+from sglang_hicache_ext.tiers.mooncake_store import MooncakeConfig, MooncakeObjectStore
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -182,12 +184,32 @@ def _chunk_registry(
             disk.stats().entries,
             settings.chunk_disk_bytes,
         )
-    return ChunkRegistry(settings.chunk_store_bytes, rope, disk=disk), ""
+    remote = None
+    if "mooncake" in settings.chunk_tier_names:
+        remote = _mooncake_tier(settings, ctx)
+    return ChunkRegistry(settings.chunk_store_bytes, rope, disk=disk, remote=remote), ""
 
 
-def chunk_disk_directory(chunk_disk_dir: str, model_config: Any, server_args: Any) -> Path:
-    """`chunk_disk_dir/chunks/<model>-<hash of what shapes its KV>`."""
-    identity = "\n".join(
+def _mooncake_tier(settings: ExtensionSettings, ctx: TreeCacheBuildContext) -> ChunkRemoteTier:
+    """The shared chunk tier (its master was found listening by the launch checks)."""
+    assert settings.chunk_mooncake_master is not None  # the settings check both or neither
+    config = MooncakeConfig(
+        master=settings.chunk_mooncake_master,
+        metadata_server=settings.chunk_mooncake_metadata_server,
+        local_hostname=settings.chunk_mooncake_local_hostname,
+        segment_bytes=settings.chunk_mooncake_segment_bytes,
+    )
+    # Keys name the model by its folder's name, not its path: servers on other machines
+    # share chunks of the same model (and the identity hash keeps other models' KV apart).
+    model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
+    namespace = chunk_namespace(model_name, _kv_identity(ctx.model_config, ctx.server_args))
+    logger.info("hicache_ext chunk tier mooncake: master %s", config.master)
+    return ChunkRemoteTier(MooncakeObjectStore(config), namespace)
+
+
+def _kv_identity(model_config: Any, server_args: Any) -> str:
+    """Everything besides the weights that shapes a chunk's KV."""
+    return "\n".join(
         (
             str(getattr(model_config, "revision", None)),
             str(getattr(model_config, "dtype", None)),
@@ -195,9 +217,14 @@ def chunk_disk_directory(chunk_disk_dir: str, model_config: Any, server_args: An
             model_config.hf_config.to_json_string(),
         )
     )
+
+
+def chunk_disk_directory(chunk_disk_dir: str, model_config: Any, server_args: Any) -> Path:
+    """`chunk_disk_dir/chunks/<model>-<hash of what shapes its KV>`."""
     model_path = str(model_config.model_path)
     if Path(model_path).expanduser().exists():  # a folder, not a hub id: the same from any cwd
         model_path = str(Path(model_path).expanduser().absolute())
+    identity = _kv_identity(model_config, server_args)
     return Path(chunk_disk_dir).expanduser() / "chunks" / chunk_namespace(model_path, identity)
 
 

@@ -88,7 +88,7 @@ def test_every_import_goes_through_the_namespace() -> None:
 
 # Import name -> distribution, where they differ; pydantic_core is pydantic's own API.
 DISTRIBUTION_OF = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "pydantic_core": "pydantic"}
-OPTIONAL_IMPORTS = {"flashinfer"}  # the `gpu` extra
+OPTIONAL_IMPORTS = {"flashinfer", "mooncake"}  # the `gpu` and `mooncake` extras
 
 
 def test_declared_dependencies_are_what_the_package_imports() -> None:

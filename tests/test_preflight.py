@@ -16,6 +16,7 @@ from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_por
 from sglang_hicache_ext.sglang_ext.server.preflight import (
     PreflightError,
     check_chunk_disk,
+    check_chunk_mooncake,
     check_disk_tier,
     check_model_path,
     check_port_free,
@@ -204,6 +205,18 @@ def test_disk_tier_good_options_and_other_backends_pass(tmp_path: Path) -> None:
         ),
         ({"chunk_tiers": ["host"], "chunk_disk_dir": "/tmp/c"}, "chunk_tiers leaves out 'disk'"),
         ({"chunk_disk_bytes": -1}, "chunk_disk_bytes = -1 must be positive"),
+        (
+            {"chunk_tiers": ["host", "mooncake"]},
+            "chunk_tiers names 'mooncake' but chunk_mooncake_master is not set",
+        ),
+        (
+            {"chunk_tiers": ["host"], "chunk_mooncake_master": "127.0.0.1:50051"},
+            "chunk_mooncake_master is set but chunk_tiers leaves out 'mooncake'",
+        ),
+        ({"chunk_mooncake_master": "localhost"}, "'localhost' must be host:port"),
+        ({"chunk_mooncake_master": "127.0.0.1:0"}, "'127.0.0.1:0' must be host:port"),
+        ({"chunk_mooncake_segment_bytes": -1}, "chunk_mooncake_segment_bytes = -1 must be >= 0"),
+        ({"chunk_mooncake_metadata_server": ""}, "chunk_mooncake_metadata_server"),
     ],
 )
 def test_bad_chunk_tier_settings_are_one_line(values: dict[str, object], message: str) -> None:
@@ -227,6 +240,24 @@ def test_chunk_disk_dir_must_be_a_usable_directory(tmp_path: Path) -> None:
     assert (tmp_path / "new").is_dir()
     assert ExtensionSettings(chunk_disk_dir=str(tmp_path)).chunk_tier_names == ("host", "disk")
     assert ExtensionSettings().chunk_tier_names == ("host",)
+
+
+def test_mooncake_tier_needs_a_listening_master() -> None:
+    closed = f"127.0.0.1:{free_port()}"
+    settings = ExtensionSettings(chunk_mooncake_master=closed)
+    assert settings.chunk_tier_names == ("host", "mooncake")
+    with pytest.raises(PreflightError, match=re.escape(f"chunk_mooncake_master {closed} is unreachable")):
+        check_chunk_mooncake(settings)
+    metadata = f"http://127.0.0.1:{free_port()}/metadata"
+    with socket.create_server(("127.0.0.1", 0)) as master:
+        listening = f"127.0.0.1:{master.getsockname()[1]}"
+        check_chunk_mooncake(ExtensionSettings(chunk_mooncake_master=listening))
+        with pytest.raises(PreflightError, match="chunk_mooncake_metadata_server 127.0.0.1:"):
+            check_chunk_mooncake(
+                ExtensionSettings(
+                    chunk_mooncake_master=listening, chunk_mooncake_metadata_server=metadata
+                )
+            )
 
 
 def test_ratio_table_must_fit_the_model_and_tiers(tmp_path: Path) -> None:

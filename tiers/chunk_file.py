@@ -16,6 +16,7 @@ exactly those, instead of reading a whole layer to check one checksum. Files are
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -23,7 +24,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import BinaryIO, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -143,31 +144,51 @@ def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
     return fixed + meta_bytes + table + scores, b"".join(layers)
 
 
+# Where rows are read from: an open file's descriptor, or the whole encoded chunk in memory
+# (an object fetched from a remote store).
+RowSource = int | bytes | memoryview
+
+
 def read_header(path: Path) -> ChunkFileHeader:
     """Parse and verify everything but the rows; also checks the file's exact length."""
     with open(path, "rb") as file:
-        fixed = file.read(_FIXED.size)
-        if len(fixed) != _FIXED.size:
-            raise CorruptChunkError(f"{path}: truncated header")
-        magic, version, meta_len, meta_crc = _FIXED.unpack(fixed)
-        if magic != MAGIC or version != VERSION:
-            raise CorruptChunkError(f"{path}: not a chunk file (bad magic or version)")
-        meta_bytes = file.read(meta_len)
-        if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
-            raise CorruptChunkError(f"{path}: metadata checksum mismatch")
-        try:
-            meta = json.loads(meta_bytes)
-            dtype = _DTYPES[meta["dtype"]]
-            layers, n = int(meta["num_layers"]), len(meta["token_ids"])
-        except (ValueError, KeyError, TypeError) as error:
-            raise CorruptChunkError(f"{path}: unreadable metadata") from error
-        table = file.read(2 * layers * n * 4)
-        scores = file.read(layers * n * 4)
-        if zlib.crc32(table) != meta["table_crc"] or zlib.crc32(scores) != meta["scores_crc"]:
-            raise CorruptChunkError(f"{path}: checksum table or scores mismatch")
-        data_offset = file.tell()
-        file.seek(0, os.SEEK_END)
-        file_len = file.tell()
+        return parse_header(file, str(path))
+
+
+def decode_chunk(data: bytes, name: str, expected_key: str | None = None) -> ChunkTensors:
+    """A whole chunk from its encoded bytes (`b"".join(encode_chunk(...))`), every row verified."""
+    header = parse_header(io.BytesIO(data), name)
+    if expected_key is not None and header.key != expected_key:
+        raise CorruptChunkError(f"{name}: holds {header.key[:12]}, expected {expected_key[:12]}")
+    return _all_rows(memoryview(data), header)
+
+
+def parse_header(file: BinaryIO, name: str, rows_follow: bool = True) -> ChunkFileHeader:
+    """Parse and verify the header of a chunk file (or of its bytes). With `rows_follow` the
+    rows must follow it to the exact length; without, `file` holds the header alone (a remote
+    store keeps a copy of it apart, to index a chunk without fetching its rows)."""
+    fixed = file.read(_FIXED.size)
+    if len(fixed) != _FIXED.size:
+        raise CorruptChunkError(f"{name}: truncated header")
+    magic, version, meta_len, meta_crc = _FIXED.unpack(fixed)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptChunkError(f"{name}: not a chunk file (bad magic or version)")
+    meta_bytes = file.read(meta_len)
+    if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
+        raise CorruptChunkError(f"{name}: metadata checksum mismatch")
+    try:
+        meta = json.loads(meta_bytes)
+        dtype = _DTYPES[meta["dtype"]]
+        layers, n = int(meta["num_layers"]), len(meta["token_ids"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise CorruptChunkError(f"{name}: unreadable metadata") from error
+    table = file.read(2 * layers * n * 4)
+    scores = file.read(layers * n * 4)
+    if zlib.crc32(table) != meta["table_crc"] or zlib.crc32(scores) != meta["scores_crc"]:
+        raise CorruptChunkError(f"{name}: checksum table or scores mismatch")
+    data_offset = file.tell()
+    file.seek(0, os.SEEK_END)
+    file_len = file.tell()
     header = ChunkFileHeader(
         key=meta["key"],
         token_ids=tuple(int(t) for t in meta["token_ids"]),
@@ -183,13 +204,13 @@ def read_header(path: Path) -> ChunkFileHeader:
         file_len=file_len,
     )
     expected = data_offset + layers * header.layer_bytes
-    if file_len != expected:
-        raise CorruptChunkError(f"{path}: {file_len} bytes, header says {expected}")
+    if rows_follow and file_len != expected:
+        raise CorruptChunkError(f"{name}: {file_len} bytes, header says {expected}")
     return header
 
 
 def read_rows(
-    fd: int, header: ChunkFileHeader, layer: int, rows: Sequence[int] | None = None
+    source: RowSource, header: ChunkFileHeader, layer: int, rows: Sequence[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """K and V of `rows` (sorted token indices; None: all) of one layer, each row verified.
 
@@ -202,8 +223,8 @@ def read_rows(
         wanted and not 0 <= wanted[0] <= wanted[-1] < n
     ):
         raise ValueError(f"rows must be sorted, distinct and within [0, {n})")
-    keys = _read_side(fd, header, layer, wanted, 0)
-    values = _read_side(fd, header, layer, wanted, 1)
+    keys = _read_side(source, header, layer, wanted, 0)
+    values = _read_side(source, header, layer, wanted, 1)
     shape_k = (len(wanted), header.kv_heads, header.key_dim)
     shape_v = (len(wanted), header.kv_heads, header.value_dim)
     return (
@@ -220,9 +241,13 @@ def read_chunk(path: Path, expected_key: str | None = None) -> ChunkTensors:
         raise CorruptChunkError(f"{path}: holds {header.key[:12]}, expected {expected_key[:12]}")
     fd = os.open(path, os.O_RDONLY)
     try:
-        layers = [read_rows(fd, header, layer)[:2] for layer in range(header.num_layers)]
+        return _all_rows(fd, header)
     finally:
         os.close(fd)
+
+
+def _all_rows(source: RowSource, header: ChunkFileHeader) -> ChunkTensors:
+    layers = [read_rows(source, header, layer)[:2] for layer in range(header.num_layers)]
     return ChunkTensors(
         token_ids=header.token_ids,
         keys=tuple(k for k, _ in layers),
@@ -233,14 +258,18 @@ def read_chunk(path: Path, expected_key: str | None = None) -> ChunkTensors:
 
 
 def _read_side(
-    fd: int, header: ChunkFileHeader, layer: int, rows: list[int], side: int
+    source: RowSource, header: ChunkFileHeader, layer: int, rows: list[int], side: int
 ) -> bytearray:
     row_bytes = header.key_row_bytes if side == 0 else header.value_row_bytes
     base = header.key_offset(layer) if side == 0 else header.value_offset(layer)
     crcs = header.row_crcs[side, layer]
     out = bytearray()
     for first, count in _runs(rows):
-        data = os.pread(fd, count * row_bytes, base + first * row_bytes)
+        offset = base + first * row_bytes
+        if isinstance(source, int):
+            data = os.pread(source, count * row_bytes, offset)
+        else:
+            data = bytes(source[offset : offset + count * row_bytes])
         if len(data) != count * row_bytes:
             raise CorruptChunkError(f"layer {layer}: short read")
         for i in range(count):

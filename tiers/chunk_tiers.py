@@ -1,4 +1,4 @@
-"""Registered chunks across storage tiers: host memory in front of a local disk.
+"""Registered chunks across storage tiers: host memory, a local disk, a store shared by servers.
 
 Writes go through: a chunk put in host memory is written to disk at once (when the server
 answers a registration, its chunk is on disk and survives a crash). Host memory is an LRU cache
@@ -11,6 +11,11 @@ them).
 With `stream` set, a chunk found only on disk is not read whole when a request pins it: the
 request gets `stream(reader)`, which reads the rows it needs layer by layer; the chunk is
 promoted after the request lets it go, by a background thread (off the request's TTFT).
+
+With a remote tier (Mooncake Store) writes also go there, and a chunk no local tier holds is
+fetched whole from it, verified, and promoted to host memory. Other servers' chunks become
+known by key (`discover`); a remote read that fails is counted and the chunk reported missing,
+so the request computes its tokens.
 
 Thread-safety: each tier locks itself; this class adds no state shared across threads beyond
 its counters and lists (guarded by a lock), so the scheduler thread, a listing request and the
@@ -29,6 +34,7 @@ from typing import Any, Generic, NamedTuple
 
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier, ChunkReader
 from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkLike, ChunkTensors
+from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteStats, ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, ChunkStoreStats, StoreFullError, V
 
 logger = logging.getLogger(__name__)
@@ -59,6 +65,7 @@ class Pinned(NamedTuple):
 class TierStats:
     host: ChunkStoreStats
     disk: ChunkDiskStats | None
+    remote: ChunkRemoteStats | None
     lookups: dict[str, int]  # fusion lookups answered per tier, and "miss"
     promotions: int  # chunks read from disk back into host memory
     demotions: int  # chunks evicted from host memory that stay on disk
@@ -73,7 +80,8 @@ def summary_of_header(header: ChunkFileHeader) -> ChunkSummary:
 
 
 class TieredChunkStore(Generic[V]):
-    """Host memory (`ChunkStore`) in front of an optional `ChunkDiskTier`."""
+    """Host memory (`ChunkStore`) in front of an optional `ChunkDiskTier` and an optional
+    `ChunkRemoteTier`."""
 
     def __init__(
         self,
@@ -82,9 +90,11 @@ class TieredChunkStore(Generic[V]):
         rebuild: Callable[[ChunkTensors], V],
         summarize: Callable[[V], ChunkSummary],
         stream: Callable[[ChunkReader], Any] | None = None,
+        remote: ChunkRemoteTier | None = None,
     ) -> None:
         self.host = host
         self.disk = disk
+        self.remote = remote
         self._rebuild = rebuild  # tiers do not import fusion: the owner turns rows into chunks
         self._summarize = summarize
         self._stream = stream
@@ -97,67 +107,88 @@ class TieredChunkStore(Generic[V]):
         # Chunks handed to a request from disk while host memory had no room (all pinned):
         # held by the request only, counted so that `unpin` balances.
         self._loans: Counter[str] = Counter()
-        self._dropped_from_disk: list[str] = []
-        if disk is not None:
-            disk.on_drop = self._note_disk_drop
+        self._dropped_below: list[str] = []
+        for lower in (disk, remote):
+            if lower is not None:
+                lower.on_drop = self._note_drop
 
     @property
     def tiers(self) -> tuple[str, ...]:
-        return (HOST, DISK) if self.disk is not None else (HOST,)
+        present = ((DISK, self.disk), (MOONCAKE, self.remote))
+        return (HOST, *(name for name, tier in present if tier is not None))
 
     def __contains__(self, key: object) -> bool:
-        return key in self.host or (self.disk is not None and key in self.disk)
+        return (
+            key in self.host
+            or (self.disk is not None and key in self.disk)
+            or (self.remote is not None and key in self.remote)
+        )
 
     def tiers_of(self, key: str) -> list[str]:
         """The tiers holding `key`, fastest first."""
         held = [HOST] if key in self.host else []
         if self.disk is not None and key in self.disk:
             held.append(DISK)
+        if self.remote is not None and key in self.remote:
+            held.append(MOONCAKE)
         return held
 
     def stored_keys(self) -> list[str]:
-        """Every stored key: host memory's (least recent first), then those only on disk."""
+        """Every stored key: host memory's (least recent first), then those only on disk, then
+        those only in the remote tier."""
         keys = [key for key, _ in self.host.items()]
-        if self.disk is not None:
-            in_host = set(keys)
-            keys += [key for key in self.disk.keys_by_recency() if key not in in_host]
-        return keys
+        below = [*(self.disk.keys_by_recency() if self.disk is not None else [])]
+        below += self.remote.keys() if self.remote is not None else []
+        seen = set(keys)
+        return keys + [key for key in dict.fromkeys(below) if key not in seen]
 
     def summary(self, key: str) -> ChunkSummary | None:
         """Sizes of a stored chunk (from host memory, or the disk header: no rows read)."""
         chunk = self.host.peek(key)
         if chunk is not None:
             return self._summarize(chunk)
-        if self.disk is None:
-            return None
-        header = self.disk.header(key)
+        header = self.header(key)
         return None if header is None else summary_of_header(header)
 
     def header(self, key: str) -> ChunkFileHeader | None:
-        return None if self.disk is None else self.disk.header(key)
+        header = None if self.disk is None else self.disk.header(key)
+        if header is None and self.remote is not None:
+            header = self.remote.header(key)
+        return header
+
+    def discover(self, key: str) -> ChunkFileHeader | None:
+        """The header of a chunk only the remote tier holds (another server registered it)."""
+        return None if self.remote is None else self.remote.discover(key)
 
     def peek(self, key: str) -> V | None:
-        """The chunk from host memory, or read from disk without promoting it (diagnostics)."""
+        """The chunk from host memory, or read from a lower tier without promoting it."""
         chunk = self.host.peek(key)
-        if chunk is not None or self.disk is None:
+        if chunk is not None:
             return chunk
-        tensors = self.disk.get(key)
+        tensors = self._read_below(key)
         return None if tensors is None else self._rebuild(tensors)
+
+    def _read_below(self, key: str) -> ChunkTensors | None:
+        tensors = self.disk.get(key) if self.disk is not None and key in self.disk else None
+        if tensors is None and self.remote is not None:
+            tensors = self.remote.get(key)
+        return tensors
 
     # -- writes ----------------------------------------------------------------------------
 
     def put(self, key: str, chunk: V) -> list[str]:
         """Store `chunk` in every tier; the keys no tier holds any more (drop them from indexes).
 
-        Raises StoreFullError only when no tier took it (host memory pinned full, no disk or
-        the disk write failed)."""
-        on_disk = False
-        if self.disk is not None:
-            on_disk = self.disk.put(key, _as_chunk_like(chunk))  # logged and counted on failure
+        Raises StoreFullError only when no tier took it (host memory pinned full, and no lower
+        tier or every lower write failed)."""
+        below = False
+        for lower in (self.disk, self.remote):  # failed writes are logged and counted there
+            if lower is not None:
+                below = lower.put(key, _as_chunk_like(chunk)) or below
         try:
             evicted = self.host.put(key, chunk)
         except StoreFullError:
-            if not on_disk:
+            if not below:
                 raise
             evicted = []
         return self._settle(evicted)
@@ -171,18 +202,20 @@ class TieredChunkStore(Generic[V]):
         if key in self.host:
             if not self.host.remove(key):
                 return False
-        elif self.disk is None or key not in self.disk:
+        elif key not in self:
             raise KeyError(key)
         if self.disk is not None:
             self.disk.remove(key)
+        if self.remote is not None:
+            self.remote.remove(key)  # for every server sharing it
         return True
 
     # -- reads by requests -----------------------------------------------------------------
 
     def pin(self, key: str) -> tuple[Pinned | None, list[str]]:
-        """Hold `key` for a request (from host memory, else streamed or promoted from disk), or
-        None if no tier has it (or its disk copy failed its checks); with the keys no tier holds
-        any more."""
+        """Hold `key` for a request (from host memory, else streamed or promoted from disk, else
+        fetched from the remote tier), or None if no tier has it (or its copies failed their
+        checks, or the remote tier cannot be reached); with the keys no tier holds any more."""
         try:
             chunk = self.host.pin(key)
         except KeyError:
@@ -190,21 +223,23 @@ class TieredChunkStore(Generic[V]):
         else:
             self._count_lookup(HOST)
             return Pinned(chunk, HOST), []
-        if self._stream is not None and self.disk is not None:
+        on_disk = self.disk is not None and key in self.disk
+        if self._stream is not None and self.disk is not None and on_disk:
             reader = self.disk.open_reader(key)
-            if reader is None:
-                self._count_lookup("miss")
-                return None, self._settle([])
-            self._count_lookup(DISK)
-            with self._lock:
-                self._loans[key] += 1
-            return Pinned(self._stream(reader), DISK), self._settle([])
-        tensors = self.disk.get(key) if self.disk is not None else None
+            if reader is not None:
+                self._count_lookup(DISK)
+                with self._lock:
+                    self._loans[key] += 1
+                return Pinned(self._stream(reader), DISK), self._settle([])
+        tier = DISK
+        tensors = self.disk.get(key) if self.disk is not None and on_disk else None
+        if tensors is None and self.remote is not None:
+            tier, tensors = MOONCAKE, self.remote.get(key)
         if tensors is None:
             self._count_lookup("miss")
             return None, self._settle([])
         chunk = self._rebuild(tensors)
-        self._count_lookup(DISK)
+        self._count_lookup(tier)
         try:
             evicted = self.host.put(key, chunk)
             self.host.pin(key)
@@ -213,7 +248,7 @@ class TieredChunkStore(Generic[V]):
             evicted = []
             with self._lock:
                 self._loans[key] += 1
-        return Pinned(chunk, DISK), self._settle(evicted)
+        return Pinned(chunk, tier), self._settle(evicted)
 
     def unpin(self, key: str) -> None:
         with self._lock:
@@ -272,6 +307,7 @@ class TieredChunkStore(Generic[V]):
         return TierStats(
             host=self.host.stats(),
             disk=self.disk.stats() if self.disk is not None else None,
+            remote=self.remote.stats() if self.remote is not None else None,
             lookups=lookups,
             promotions=counts.get("promotions", 0),
             demotions=counts.get("demotions", 0),
@@ -280,15 +316,16 @@ class TieredChunkStore(Generic[V]):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _note_disk_drop(self, key: str) -> None:
+    def _note_drop(self, key: str) -> None:
         with self._lock:
-            self._dropped_from_disk.append(key)
+            self._dropped_below.append(key)
 
     def _settle(self, evicted_from_host: list[str]) -> list[str]:
-        """Count host evictions that stay on disk as demotions; the keys no tier holds now
-        (host evictions without a disk copy, disk evictions and drops not in host memory)."""
+        """Count host evictions that a lower tier still holds as demotions; the keys no tier
+        holds now (host evictions without a lower copy, lower evictions and drops not in host
+        memory)."""
         with self._lock:
-            dropped, self._dropped_from_disk = self._dropped_from_disk, []
+            dropped, self._dropped_below = self._dropped_below, []
             later, self._lost_later = self._lost_later, []
         demoted = [key for key in evicted_from_host if key in self]
         lost = list(dict.fromkeys(k for k in (*evicted_from_host, *dropped) if k not in self))

@@ -160,14 +160,17 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
         for segment in plan.segments
         if isinstance(segment, ChunkSegment) and isinstance(segment.chunk, StreamedChunk)
     ]
-    if streamed:
+    whole = plan.fetched if plan.fetched is not None and plan.fetched.nbytes else None
+    if streamed or whole is not None:
         stats = {id(chunk.stats): chunk.stats for chunk in streamed}.values()
-        info["load"] = {  # chunks read from disk: sparse bytes vs dense, time hidden
-            "bytes_read": sum(s.bytes_read for s in stats),
-            "bytes_dense": sum(chunk.dense_bytes for chunk in streamed),
-            "read_s": sum(s.read_s for s in stats),
-            "wait_s": result.load_wait_s,
-            "overlapped": plan.options.overlap_loads,
+        fetched_bytes, fetch_s = (whole.nbytes, whole.seconds) if whole is not None else (0, 0.0)
+        info["load"] = {  # chunks read from lower tiers: sparse bytes vs dense, time hidden
+            "bytes_read": sum(s.bytes_read for s in stats) + fetched_bytes,
+            "bytes_dense": sum(chunk.dense_bytes for chunk in streamed) + fetched_bytes,
+            "read_s": sum(s.read_s for s in stats) + fetch_s,
+            # Chunks fetched whole while pinning wait before the compute: none of it hidden.
+            "wait_s": result.load_wait_s + fetch_s,
+            "overlapped": plan.options.overlap_loads and bool(streamed),
         }
     # The logits processor expects the model's output: final-normed hidden states.
     hidden = adapter.final_norm(result.hidden)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -22,8 +23,10 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
+from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.settings import AUTO_RATIO, ExtensionSettings
+from sglang_hicache_ext.tiers.chunk_tiers import HOST
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, load_ratio_table
 
 logger = logging.getLogger(__name__)
@@ -120,6 +123,7 @@ class RequestPlan:
     pinned: list[str] = dataclasses.field(default_factory=list)  # chunk ids held for the round
     chunk_tiers: dict[str, int] = dataclasses.field(default_factory=dict)  # tier -> chunks
     tuned_ratio: float | None = None  # the ratio "auto" resolved to for these chunks' tiers
+    fetched: WholeFetches | None = None  # chunks read whole while pinning (shared tier)
     fallback: str | None = None
     # A later round of a fused request: its rows were computed in the first round.
     continuation: FusedRows | None = None
@@ -231,9 +235,9 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     plan.fallback = _fallback_reason(rt, req)
     if plan.fallback is not None:
         return
-    plan.segments, plan.pinned, plan.chunk_tiers, tokens_by_tier = pinned_chunk_segments(
-        rt.registry, list(req.origin_input_ids)
-    )
+    held = pinned_chunk_segments(rt.registry, list(req.origin_input_ids))
+    plan.segments, plan.pinned, plan.chunk_tiers = held.segments, held.pinned, held.tiers
+    tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
     elif plan.options is not None and plan.options.recompute_ratio == AUTO_RATIO:
@@ -334,6 +338,15 @@ class PinnedSegments(NamedTuple):
     pinned: list[str]  # chunk ids held for the request (callers unpin)
     tiers: dict[str, int]  # how many chunks each tier served
     tokens_by_tier: dict[str, int]  # how many chunk tokens each tier served
+    fetched: WholeFetches  # chunks read whole from a lower tier while pinning
+
+
+class WholeFetches(NamedTuple):
+    """Chunks a lower tier returned whole when pinned (not streamed): their bytes and the time
+    the pins took, all of it before the compute (nothing of it is overlapped)."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedSegments:
@@ -345,9 +358,16 @@ def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedS
     tiers: Counter[str] = Counter()
     tokens_by_tier: Counter[str] = Counter()
     cursor = 0
+    fetched = WholeFetches()
     metrics = extension_metrics()
     for match in registry.index.find(tokens):
+        began = time.perf_counter()
         held = registry.pin(match.chunk_id)
+        if held is not None and held.tier != HOST and not isinstance(held.chunk, StreamedChunk):
+            fetched = WholeFetches(
+                fetched.nbytes + held.chunk.nbytes,
+                fetched.seconds + time.perf_counter() - began,
+            )
         if held is None:
             if metrics is not None:
                 metrics.chunk_miss()
@@ -365,4 +385,4 @@ def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedS
         cursor = match.prompt_end
     if cursor < len(tokens):
         segments.append(TextSegment(tuple(tokens[cursor:])))
-    return PinnedSegments(segments, pinned, dict(tiers), dict(tokens_by_tier))
+    return PinnedSegments(segments, pinned, dict(tiers), dict(tokens_by_tier), fetched)

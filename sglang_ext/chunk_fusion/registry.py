@@ -29,7 +29,8 @@ from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_file import ChunkTensors
+from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkTensors
+from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
 from sglang_hicache_ext.tiers.chunk_tiers import (
     ChunkSummary,
@@ -85,6 +86,7 @@ class ChunkRegistry:
         alpha: float = DEFAULT_ALPHA,
         disk: ChunkDiskTier | None = None,
         stream_from_disk: bool = True,
+        remote: ChunkRemoteTier | None = None,
     ) -> None:
         self.index = ChunkIndex()
         # Streamed: a request reads only the disk rows it reuses, layer by layer under the
@@ -95,6 +97,7 @@ class ChunkRegistry:
             _rebuild,
             _summary,
             stream=StreamedChunk if stream_from_disk else None,
+            remote=remote,
         )
         self._rope = rope
         self._alpha = alpha
@@ -112,17 +115,21 @@ class ChunkRegistry:
             header = self.store.header(key)
             if header is None:
                 continue  # dropped as corrupt by the tier (logged, counted)
-            if chunk_hash(header.token_ids) != key:
-                logger.error("chunk file %s does not hold its tokens; dropped", key[:12])
-                self.store.remove(key)
-                continue
-            self._add_to_index(key, header.token_ids)
-            self._summaries[key] = summary_of_header(header)
-            restored += 1
+            restored += self._index_header(key, header)
         if restored:
-            self.generation += 1
             logger.info("%d chunks found on the chunk disk tier", restored)
         return restored
+
+    def _index_header(self, key: str, header: ChunkFileHeader) -> bool:
+        """Index a chunk a lower tier holds; False (dropped) if it does not hold its tokens."""
+        if chunk_hash(header.token_ids) != key:
+            logger.error("stored chunk %s does not hold its tokens; dropped", key[:12])
+            self.store.remove(key)
+            return False
+        self._add_to_index(key, header.token_ids)
+        self._summaries[key] = summary_of_header(header)
+        self.generation += 1
+        return True
 
     def _add_to_index(self, chunk_id: str, token_ids: tuple[int, ...] | list[int]) -> None:
         if len(token_ids) >= self.index.anchor_tokens:
@@ -219,6 +226,13 @@ class ChunkRegistry:
         }
 
     def describe(self, chunk_id: str) -> dict[str, Any] | None:
+        """A chunk's listing entry. A chunk unknown here that another server wrote to the
+        shared tier is indexed now (its header only): `POST /chunks` of the same tokens then
+        answers without a prefill, and requests fetch its rows from the shared tier."""
+        if chunk_id not in self._summaries:
+            header = self.store.discover(chunk_id)
+            if header is not None and self._index_header(chunk_id, header):
+                logger.info("chunk %s found in the shared tier", chunk_id[:12])
         return self._info(chunk_id)
 
     def _key_probe(self, chunk_id: str, layer: int, token: int) -> list[list[float]]:
@@ -253,6 +267,8 @@ class ChunkRegistry:
             metrics.chunk_stored_bytes(stats.host.bytes_used, tier="host")
             if stats.disk is not None:
                 metrics.chunk_stored_bytes(stats.disk.bytes_used, tier="disk")
+            if stats.remote is not None:
+                metrics.chunk_stored_bytes(stats.remote.bytes_known, tier="mooncake")
 
     def stats(self) -> dict[str, Any]:
         """Host memory's counts at the top level (as before tiers), then every tier's."""
@@ -267,6 +283,7 @@ class ChunkRegistry:
             "lost": stats.lost,
             "restored_from_disk": self.restored,
             "disk": None if stats.disk is None else stats.disk.__dict__,
+            "mooncake": None if stats.remote is None else stats.remote.__dict__,
         }
 
     def handle_control(self, method: str, body: dict[str, Any]) -> list[dict[str, Any]]:

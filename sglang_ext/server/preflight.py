@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from sglang_hicache_ext.sglang_ext.server.settings import (
     ExtensionSettings,
@@ -22,6 +23,8 @@ from sglang_hicache_ext.sglang_ext.server.settings import (
     load_settings,
     read_extra_config,
 )
+
+_CONNECT_TIMEOUT_S = 3.0
 
 
 class PreflightError(ValueError):
@@ -103,6 +106,36 @@ def check_chunk_disk(settings: ExtensionSettings) -> None:
         raise PreflightError(f"{name}: cannot use it ({err.strerror or err})") from err
 
 
+def check_chunk_mooncake(settings: ExtensionSettings) -> None:
+    """The shared chunk tier: the Mooncake client installed, its master (and an HTTP metadata
+    server, if named) listening. Checked before the model loads, so a typo or a stopped master
+    is one line, not a scheduler traceback."""
+    if not settings.chunk_mooncake_master:
+        return
+    from sglang_hicache_ext.tiers.mooncake_store import MooncakeUnavailable, store_class
+
+    try:
+        store_class()
+    except MooncakeUnavailable as err:
+        raise PreflightError(f"chunk_mooncake_master is set but {err}") from err
+    targets = [("chunk_mooncake_master", settings.chunk_mooncake_master)]
+    metadata = urlsplit(settings.chunk_mooncake_metadata_server)
+    if metadata.scheme in ("http", "https"):
+        netloc = (
+            f"{metadata.hostname}:{metadata.port or (443 if metadata.scheme == 'https' else 80)}"
+        )
+        targets.append(("chunk_mooncake_metadata_server", netloc))
+    for name, address in targets:
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+        except OSError as err:
+            raise PreflightError(
+                f"{name} {address} is unreachable ({err.strerror or err}); start the Mooncake "
+                f"master there or unset {name}"
+            ) from err
+
+
 def check_ratio_table(settings: ExtensionSettings, model_path: str) -> None:
     """The tuned ratio table: readable, tuned for this model and for every chunk tier in use."""
     if not settings.fusion_ratio_table:
@@ -176,6 +209,7 @@ def run_checks(server_args: Any, serving_http: bool) -> None:
     settings = check_settings(server_args)
     check_disk_tier(server_args)
     check_chunk_disk(settings)
+    check_chunk_mooncake(settings)
     check_ratio_table(settings, str(server_args.model_path))
     if not settings.preflight_checks:
         return

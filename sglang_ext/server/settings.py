@@ -55,9 +55,14 @@ def _tier_order(tiers: list[str]) -> list[str]:
         raise ValueError("must start with 'host' (chunks are captured into host memory)")
     if len(set(tiers)) != len(tiers) or tiers != sorted(tiers, key=order.index):
         raise ValueError(f"must list each tier once, fastest first ({', '.join(order)})")
-    if "mooncake" in tiers:
-        raise ValueError("names 'mooncake', a chunk tier that is not available yet")
     return tiers
+
+
+def _host_port(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be host:port (mooncake_master's --rpc_address and --port)")
+    return address
 
 
 # Shared with the per-request options (`chunk_fusion/options.py`), so both check alike.
@@ -118,6 +123,29 @@ class ExtensionSettings(BaseModel):
         "(benchmarks); 0 = the disk's own speed.",
         json_schema_extra={"zero_means": "the disk's own speed"},
     )
+    chunk_mooncake_master: Annotated[str, AfterValidator(_host_port)] | None = Field(
+        None,
+        description="host:port of a Mooncake master: the chunk tier shared by servers (on "
+        "when set). Chunks are written through to it; another server finds them by id.",
+    )
+    chunk_mooncake_metadata_server: str = Field(
+        "P2PHANDSHAKE",
+        min_length=1,
+        description="Mooncake transfer metadata: P2PHANDSHAKE (none needed) or "
+        "http://host:port/metadata.",
+    )
+    chunk_mooncake_local_hostname: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address other Mooncake clients reach this server's segment at.",
+    )
+    chunk_mooncake_segment_bytes: int = Field(
+        512 * 1024**2,
+        ge=0,
+        description="Memory this server lends to the Mooncake store (its share of the shared "
+        "tier; chunks in it go when the server stops).",
+        json_schema_extra={"zero_means": "lends none, uses other servers' segments"},
+    )
     fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
     # question_error with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B
     # (teacher-forced KL gap closed 0.44 vs a3 0.15, 200 HotpotQA questions, docs/fusion-quality.md)
@@ -132,7 +160,7 @@ class ExtensionSettings(BaseModel):
     fusion_ratio_table: str | None = Field(
         None,
         description="JSON file of recompute ratios tuned per chunk tier for the served model "
-        "(python -m sglang_hicache_ext.tuning.ratio tune); enables the ratio \"auto\".",
+        '(python -m sglang_hicache_ext.tuning.ratio tune); enables the ratio "auto".',
     )
     fusion_sink_tokens: SinkTokens = Field(
         8,
@@ -167,15 +195,17 @@ class ExtensionSettings(BaseModel):
             raise SettingsError(one_line(err)) from None
 
     @model_validator(mode="after")
-    def _disk_tier_has_a_directory(self) -> ExtensionSettings:
-        if self.chunk_tiers is not None and ("disk" in self.chunk_tiers) != bool(
-            self.chunk_disk_dir
-        ):
-            raise ValueError(
-                "chunk_tiers names 'disk' but chunk_disk_dir is not set"
-                if "disk" in self.chunk_tiers
-                else "chunk_disk_dir is set but chunk_tiers leaves out 'disk'"
-            )
+    def _lower_tiers_are_configured(self) -> ExtensionSettings:
+        for tier, setting in (("disk", "chunk_disk_dir"), ("mooncake", "chunk_mooncake_master")):
+            if self.chunk_tiers is None:
+                break
+            named = tier in self.chunk_tiers
+            if named != bool(getattr(self, setting)):
+                raise ValueError(
+                    f"chunk_tiers names '{tier}' but {setting} is not set"
+                    if named
+                    else f"{setting} is set but chunk_tiers leaves out '{tier}'"
+                )
         return self
 
     @model_validator(mode="after")
@@ -192,7 +222,8 @@ class ExtensionSettings(BaseModel):
         """The chunk tiers in use, fastest first."""
         if self.chunk_tiers is not None:
             return tuple(self.chunk_tiers)
-        return ("host", "disk") if self.chunk_disk_dir else ("host",)
+        lower = (("disk", self.chunk_disk_dir), ("mooncake", self.chunk_mooncake_master))
+        return ("host", *(name for name, on in lower if on))
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump()

@@ -1,0 +1,149 @@
+"""The shared chunk tier on a real Mooncake master (loopback): two clients as two servers would
+use it, verification of every read, the master stopping under them, and the tiered store's
+promotion and demotion with it (host memory in front, as in the server)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.rope import RopeSpec
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.sglang_ext.tools.mooncake_master import MooncakeMaster, running_master
+from sglang_hicache_ext.tiers.chunk_file import encode_chunk
+from sglang_hicache_ext.tiers.chunk_remote import HEADER_SUFFIX, ChunkRemoteTier
+from sglang_hicache_ext.tiers.chunk_store import ChunkStore
+from sglang_hicache_ext.tiers.chunk_tiers import MOONCAKE, ChunkSummary, TieredChunkStore
+from sglang_hicache_ext.tiers.mooncake_store import MooncakeConfig, MooncakeObjectStore
+from tests.test_chunk_disk import assert_same, make_chunk
+from tests.test_chunk_tiers import ROPE, _same
+
+CHUNK_BYTES = make_chunk(0).nbytes
+
+
+_clients: list[MooncakeObjectStore] = []
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    with running_master(tmp_path / "master.log") as started:
+        yield started
+        # Closed while the master runs: a client left to its destructor waits on a gone master.
+        while _clients:
+            _clients.pop().close()
+
+
+def _client(master: MooncakeMaster, segment_bytes: int = 64 << 20) -> MooncakeObjectStore:
+    client = MooncakeObjectStore(
+        MooncakeConfig(master.address, segment_bytes=segment_bytes, local_buffer_bytes=16 << 20)
+    )
+    _clients.append(client)
+    return client
+
+
+def _tiered(remote: ChunkRemoteTier, host_chunks: int) -> TieredChunkStore[PrecomputedChunk]:
+    return TieredChunkStore(
+        ChunkStore(host_chunks * CHUNK_BYTES),
+        None,
+        lambda tensors: PrecomputedChunk(*tensors),
+        lambda chunk: ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes),
+        remote=remote,
+    )
+
+
+def test_a_chunk_written_by_one_client_is_read_by_another(master: MooncakeMaster) -> None:
+    writer = ChunkRemoteTier(_client(master), "model-a")
+    reader = ChunkRemoteTier(_client(master, segment_bytes=0), "model-a")  # lends no memory
+    other_model = ChunkRemoteTier(_client(master, segment_bytes=0), "model-b")
+    chunk = make_chunk(1)
+    key = chunk.content_hash
+    assert writer.put(key, chunk) and key in writer
+    assert key not in reader and reader.get(key) is None  # not known until discovered
+    header = reader.discover(key)
+    assert header is not None and header.token_ids == chunk.token_ids and key in reader
+    assert_same(reader.get(key), chunk)
+    assert other_model.discover(key) is None  # namespaces keep models' KV apart
+    stats = reader.stats()
+    assert (stats.discovered, stats.hits, stats.bytes_read) == (
+        1,
+        1,
+        sum(map(len, encode_chunk(key, chunk))),
+    )
+    assert writer.stats().bytes_written == stats.bytes_read
+    assert writer.remove(key) and reader.get(key) is None  # removed for every client
+    assert reader.stats().misses == 1 and key not in reader
+
+
+def test_a_damaged_object_is_dropped_and_never_returned(master: MooncakeMaster) -> None:
+    client = _client(master)
+    tier = ChunkRemoteTier(client, "m")
+    dropped: list[str] = []
+    tier.on_drop = dropped.append
+    chunk = make_chunk(2)
+    key = chunk.content_hash
+    header, rows = encode_chunk(key, chunk)
+    damaged = bytearray(rows)
+    damaged[len(rows) // 2] ^= 0x10  # one bit of one row
+    client.put(tier.prefix + key, header + bytes(damaged))
+    client.put(tier.prefix + key + HEADER_SUFFIX, header)
+    assert tier.discover(key) is not None  # the header is sound
+    assert tier.get(key) is None
+    assert tier.stats().corrupt_dropped == 1 and dropped == [key]
+    assert not client.exists(tier.prefix + key)  # removed for every server
+    client.put(tier.prefix + "f" * 64 + HEADER_SUFFIX, b"not a header")
+    assert tier.discover("f" * 64) is None and tier.stats().corrupt_dropped == 2
+
+
+def test_master_down_reads_and_writes_fail_counted(master: MooncakeMaster) -> None:
+    tier = ChunkRemoteTier(_client(master), "m", retry_after_s=60)
+    stored, later = make_chunk(3), make_chunk(4)
+    assert tier.put(stored.content_hash, stored)
+    master.kill()
+    assert tier.get(stored.content_hash) is None  # the caller computes the tokens
+    began = time.monotonic()
+    # Within retry_after_s the store is not asked: no request pays the client's timeouts again.
+    assert tier.get(stored.content_hash) is None
+    assert not tier.put(later.content_hash, later)
+    assert tier.discover(later.content_hash) is None
+    assert time.monotonic() - began < 0.5
+    stats = tier.stats()
+    assert (stats.read_errors, stats.write_errors) == (3, 1)
+    assert stored.content_hash in tier  # not forgotten: a transient failure is not a loss
+
+
+def test_tiered_store_demotes_to_and_fetches_from_the_shared_tier(master: MooncakeMaster) -> None:
+    store = _tiered(ChunkRemoteTier(_client(master), "m"), host_chunks=1)
+    first, second = make_chunk(5), make_chunk(6)
+    for chunk in (first, second):
+        assert store.put(chunk.content_hash, chunk) == []  # host eviction is a demotion
+    assert store.tiers_of(first.content_hash) == [MOONCAKE]
+    assert store.stats().demotions == 1
+    pinned, lost = store.pin(first.content_hash)
+    assert pinned is not None and pinned.tier == MOONCAKE and _same(pinned.chunk, first)
+    assert lost == [] and store.stats().lookups[MOONCAKE] == 1
+    store.unpin(first.content_hash)
+    assert store.tiers_of(first.content_hash) == ["host", MOONCAKE]  # promoted
+
+
+def test_registry_of_a_second_server_discovers_and_uses_a_chunk(master: MooncakeMaster) -> None:
+    rope = RopeSpec(inv_freq=ROPE.inv_freq)
+    first = ChunkRegistry(1 << 30, rope, remote=ChunkRemoteTier(_client(master), "m"))
+    second = ChunkRegistry(
+        1 << 30, rope, remote=ChunkRemoteTier(_client(master, segment_bytes=0), "m")
+    )
+    chunk = make_chunk(7, tokens=64)
+    assert first.add(chunk)
+    key = chunk.content_hash
+    assert second.list() == []
+    info = second.describe(key)  # what POST /chunks of the same tokens asks first
+    assert info is not None and (info["tier"], info["tiers"]) == (MOONCAKE, [MOONCAKE])
+    assert key in second.index and second.stats()["mooncake"]["discovered"] == 1
+    held = second.pin(key)
+    assert held is not None and held.tier == MOONCAKE and _same(held.chunk, chunk)
+    second.unpin(key)
+    assert second.describe(key)["tiers"] == ["host", MOONCAKE]
+    assert second.stats()["hits_by_tier"] == {"host": 0, MOONCAKE: 1, "miss": 0}

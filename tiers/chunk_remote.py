@@ -1,0 +1,222 @@
+"""Shared tier of precomputed chunks in a remote object store (Mooncake Store), for many servers.
+
+A chunk is two objects under `hicache_ext/<namespace>/<key>`: the encoded chunk (the disk
+format of `tiers/chunk_file.py`, header and checksummed rows), and its header alone (`.header`)
+so that another server can index the chunk, by its tokens, without fetching the rows. The data
+object is written first: a header seen by a reader always has its rows written before it.
+
+A server knows the chunks it wrote and those it discovered by key (`discover`, on a registration
+of the same tokens); the store has no listing. Every read is verified (a chunk that fails is
+removed, counted, and reported missing); a store that cannot be reached is logged and counted,
+and the caller computes the chunk's tokens instead; for `retry_after_s` after such a failure the
+store is not asked again (a stopped master costs each request seconds of timeouts otherwise),
+and those skipped reads and writes are counted as failures too. A chunk the store no longer holds (evicted
+by its own memory pressure, or its owner's segment gone) is forgotten and reported through
+`on_drop`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sglang_hicache_ext.tiers.chunk_file import (
+    ChunkFileHeader,
+    ChunkLike,
+    ChunkTensors,
+    CorruptChunkError,
+    decode_chunk,
+    encode_chunk,
+    parse_header,
+)
+from sglang_hicache_ext.tiers.mooncake_store import ObjectStore, RemoteStoreError
+
+logger = logging.getLogger(__name__)
+
+HEADER_SUFFIX = ".header"
+
+
+@dataclass(frozen=True)
+class ChunkRemoteStats:
+    entries: int  # chunks this server knows the store holds
+    bytes_known: int  # their encoded size
+    hits: int
+    misses: int
+    discovered: int  # chunks another server wrote, found by key
+    write_errors: int  # puts the store refused or could not take (chunk kept locally only)
+    read_errors: int  # reads that failed (store unreachable): the tokens were computed
+    corrupt_dropped: int  # objects that failed their checks, removed and never used
+    bytes_read: int
+    bytes_written: int
+    read_s: float  # time spent fetching and verifying
+
+
+class ChunkRemoteTier:
+    """Chunks in an `ObjectStore` shared with other servers (thread-safe)."""
+
+    def __init__(self, store: ObjectStore, namespace: str, retry_after_s: float = 5.0) -> None:
+        self.store = store
+        self.prefix = f"hicache_ext/{namespace}/"
+        self.retry_after_s = retry_after_s
+        self._unreachable_until = 0.0  # monotonic time before which the store is not asked
+        self._headers: dict[str, ChunkFileHeader] = {}  # known chunks, in order learned
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._read_s = 0.0
+        self.on_drop: Callable[[str], None] | None = None
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._headers
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._headers)
+
+    def header(self, key: str) -> ChunkFileHeader | None:
+        with self._lock:
+            return self._headers.get(key)
+
+    def stats(self) -> ChunkRemoteStats:
+        with self._lock:
+            size = sum(h.data_offset + h.num_layers * h.layer_bytes for h in self._headers.values())
+            counts = {name: self._counts[name] for name in _COUNTERS}
+            return ChunkRemoteStats(len(self._headers), size, read_s=self._read_s, **counts)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(self, key: str, chunk: ChunkLike) -> bool:
+        """Store `chunk` under `key`; False (logged, counted) if the store does not take it."""
+        header, rows = encode_chunk(key, chunk)
+        try:
+            self._check_reachable()
+            self.store.put(self.prefix + key, header + rows)
+            self.store.put(self.prefix + key + HEADER_SUFFIX, header)
+        except RemoteStoreError as error:
+            logger.error("chunk %s not written to the shared tier: %s", key[:12], error)
+            self._failed("write_errors", error)
+            return False
+        parsed = parse_header(io.BytesIO(header), key, rows_follow=False)
+        with self._lock:
+            self._headers[key] = parsed
+            self._counts["bytes_written"] += len(header) + len(rows)
+        return True
+
+    def remove(self, key: str) -> bool:
+        """Remove `key` from the store (for every server); False if the store cannot be reached."""
+        with self._lock:
+            self._headers.pop(key, None)
+        try:
+            self.store.remove(self.prefix + key + HEADER_SUFFIX)
+            self.store.remove(self.prefix + key)
+        except RemoteStoreError as error:
+            logger.error("chunk %s not removed from the shared tier: %s", key[:12], error)
+            return False
+        return True
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def discover(self, key: str) -> ChunkFileHeader | None:
+        """The header of a chunk another server stored under `key`, now known here; None if
+        the store has none (or cannot be reached: logged, counted)."""
+        known = self.header(key)
+        if known is not None:
+            return known
+        try:
+            self._check_reachable()
+            data = self.store.get(self.prefix + key + HEADER_SUFFIX)
+        except RemoteStoreError as error:
+            logger.warning("chunk %s: shared tier not reachable: %s", key[:12], error)
+            self._failed("read_errors", error)
+            return None
+        if data is None:
+            return None
+        try:
+            header = parse_header(io.BytesIO(data), key, rows_follow=False)
+            if header.key != key:
+                raise CorruptChunkError(f"holds {header.key[:12]}")
+        except CorruptChunkError as error:
+            self._drop_corrupt(key, error)
+            return None
+        with self._lock:
+            self._headers[key] = header
+            self._counts["discovered"] += 1
+        return header
+
+    def get(self, key: str) -> ChunkTensors | None:
+        """The whole chunk, every row verified; None if absent, unreachable or corrupt."""
+        if key not in self:
+            return None
+        began = time.perf_counter()
+        try:
+            self._check_reachable()
+            data = self.store.get(self.prefix + key)
+        except RemoteStoreError as error:
+            logger.warning("chunk %s: shared tier read failed, computing it: %s", key[:12], error)
+            self._failed("read_errors", error)
+            return None
+        if data is None:
+            self._add("misses")
+            self._forget(key)
+            return None
+        try:
+            chunk = decode_chunk(data, key, expected_key=key)
+        except CorruptChunkError as error:
+            self._drop_corrupt(key, error)
+            return None
+        with self._lock:
+            self._counts["hits"] += 1
+            self._counts["bytes_read"] += len(data)
+            self._read_s += time.perf_counter() - began
+        return chunk
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_reachable(self) -> None:
+        with self._lock:
+            waiting = self._unreachable_until - time.monotonic()
+        if waiting > 0:
+            raise _Skipped(f"not asked: the store failed, retried in {waiting:.1f} s")
+
+    def _failed(self, counter: str, error: RemoteStoreError) -> None:
+        with self._lock:
+            self._counts[counter] += 1
+            if not isinstance(error, _Skipped):
+                self._unreachable_until = time.monotonic() + self.retry_after_s
+
+    def _drop_corrupt(self, key: str, error: Exception) -> None:
+        logger.error("chunk %s in the shared tier fails its checks, removed: %s", key[:12], error)
+        self._add("corrupt_dropped")
+        self.remove(key)
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._headers.pop(key, None)
+        if self.on_drop is not None:
+            self.on_drop(key)
+
+    def _add(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+
+class _Skipped(RemoteStoreError):
+    """A request not sent: the store failed less than `retry_after_s` ago."""
+
+
+_COUNTERS = (
+    "hits",
+    "misses",
+    "discovered",
+    "write_errors",
+    "read_errors",
+    "corrupt_dropped",
+    "bytes_read",
+    "bytes_written",
+)
