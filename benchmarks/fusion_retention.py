@@ -21,13 +21,15 @@ reuse's KL it closes (`kl_gap_closed`, also with a bootstrap interval), median p
         --methods reuse,default@0.15,a3@0.15,cacheblend@0.15 [--resume]
 -> benchmarks/results/fusion_retention_<model>.json (rewritten after every question).
 A method is `full`, `reuse`, or `<selector>[+sink<N>]@<ratio>`; `default` is the server's default
-selector. `--resume` adds missing questions and methods to an earlier file (the full prefill's
-answer must reproduce exactly).
+selector; `<method>#<codec>` (e.g. `default@0.15#int8`) runs it on chunks stored through a codec
+(`tiers/codecs`: int8, int4). `--resume` adds missing questions and methods to an earlier file
+(the full prefill's answer must reproduce exactly).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -55,11 +57,13 @@ from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepa
 from sglang_hicache_ext.fusion import make_selector, precompute_chunk
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.tiers.codecs.parse import parse_codec
 from sglang_hicache_ext.tuning.ratio.quality_floor import (
     FLOORS_FILE,
     TARGET_RETENTION,
@@ -89,18 +93,37 @@ def load_model(name: str, dtype: torch.dtype) -> tuple[Any, HFCausalLMAdapter]:
 
 
 def question_segments(
-    example: HotpotQAExample, tokenizer: Any, adapter: ModelAdapter
+    example: HotpotQAExample, tokenizer: Any, adapter: ModelAdapter, codec: str | None = None
 ) -> list[Segment]:
     """The prompt with every paragraph shuffled in, each matched to its precomputed chunk the way
-    the server matches them (the whole prompt tokenized, chunks found by the chunk index)."""
+    the server matches them (the whole prompt tokenized, chunks found by the chunk index); with
+    `codec`, every chunk's K/V went through it (compressed and decompressed) first."""
     paragraphs = list(example.documents)
     shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
     ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
     registry = ChunkRegistry(2**34, adapter.rope_spec)
     for paragraph in paragraphs:
         tokens = tokenizer.encode(paragraph, add_special_tokens=False)
-        registry.add(precompute_chunk(adapter, tokens))
+        chunk = precompute_chunk(adapter, tokens)
+        registry.add(chunk if codec is None else through_codec(chunk, codec))
     return pinned_chunk_segments(registry, ids)[0]
+
+
+def through_codec(chunk: PrecomputedChunk, spec: str) -> PrecomputedChunk:
+    """The chunk as a tier storing it with codec `spec` returns it (dense codecs only: the
+    fusion core takes no chunk with dropped rows yet)."""
+    codec = parse_codec(spec)
+    layers = [codec.decode(codec.encode(k, v)) for k, v in zip(chunk.keys, chunk.values, strict=True)]
+    if any(layer.kept is not None for layer in layers):
+        raise SystemExit(f"codec {spec} drops tokens; only int8 / int4 are measured here yet")
+    keys = tuple(layer.keys for layer in layers)
+    return dataclasses.replace(chunk, keys=keys, values=tuple(layer.values for layer in layers))
+
+
+def split_codec(method: str) -> tuple[str, str | None]:
+    """`<method>#<codec>` -> (method, codec); the codec is None for uncompressed chunks."""
+    name, sep, codec = method.partition("#")
+    return name, codec if sep else None
 
 
 def parse_method(method: str) -> Selector:
@@ -298,7 +321,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m != "full"]
-    selectors = {m: parse_method(m) for m in methods}
+    selectors = {m: parse_method(split_codec(m)[0]) for m in methods}
+    codecs = sorted({c for m in methods if (c := split_codec(m)[1]) is not None})
     suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + (
         "" if args.seed == SEED else f"_seed{args.seed}"
     )
@@ -342,8 +366,11 @@ def main() -> int:
         elif row["full"] != full_text:
             raise RuntimeError(f"{example.qid}: the full prefill's answer did not reproduce")
         row["full_prefill_s"] = full.prefill_s
+        coded = {codec: question_segments(example, tokenizer, adapter, codec) for codec in codecs}
         for method in missing:
-            run = run_method(adapter, segments, selectors[method], stop, ANSWER_TOKENS, full.answer)
+            codec = split_codec(method)[1]
+            on = segments if codec is None else coded[codec]
+            run = run_method(adapter, on, selectors[method], stop, ANSWER_TOKENS, full.answer)
             row["methods"][method] = measure(full, run, tokenizer, example.answer, full_text)
         partial = {"model": MODELS[args.model], "dtype": args.dtype, "rows": rows}
         out.write_text(json.dumps(partial, indent=1) + "\n")

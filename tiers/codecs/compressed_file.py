@@ -1,0 +1,156 @@
+"""Stored form of a chunk compressed by a codec: one blob, each layer decodable on its own.
+
+Layout: fixed part | metadata (JSON) | frequency scores | layer blobs.
+
+- fixed part: magic, version, metadata length, CRC32 of the metadata;
+- metadata: key, codec spec, token ids, geometry, dtype, alpha, the CRC32 of the scores, and per
+  layer its offset, length, CRC32 and tensors (name, dtype, shape, offset within the layer);
+- layer blobs: the codec's tensors of each layer, back to back.
+
+A layer is verified (CRC32 of its whole blob) before it is decoded: a compressed chunk that fails
+is never decompressed into attention; the caller drops it and computes the tokens instead.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_hicache_ext.tiers.chunk_file import ChunkLike, CorruptChunkError
+from sglang_hicache_ext.tiers.codecs.base import CompressedLayer, DecodedLayer, KVCodec
+from sglang_hicache_ext.tiers.codecs.parse import parse_codec
+
+MAGIC = b"HKVZ"
+VERSION = 1
+_FIXED = struct.Struct("<4sHII")  # magic, version, metadata length, metadata CRC32
+_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32)
+}
+
+
+@dataclass(frozen=True)
+class CompressedHeader:
+    key: str
+    codec: str
+    token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    alpha: float
+    freq_scores: torch.Tensor  # float32 [layers, tokens]
+    layers: tuple[dict[str, Any], ...]  # offset, length, crc, tensors
+    data_offset: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.data_offset + sum(int(layer["length"]) for layer in self.layers)
+
+
+def encode_compressed(
+    key: str,
+    chunk: ChunkLike,
+    codec: KVCodec,
+    queries: Callable[[int], torch.Tensor | None] = lambda layer: None,
+) -> bytes:
+    """The stored form of `chunk` under `key`; `queries(layer)` gives a scorer's probe queries."""
+    blobs: list[bytes] = []
+    layers: list[dict[str, Any]] = []
+    offset = 0
+    for index, (keys, values) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
+        layer = codec.encode(keys, values, queries(index))
+        parts, tensors, inner = [], [], 0
+        for name, tensor in layer.tensors.items():
+            data = tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            tensors.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "at": inner})
+            parts.append(data)
+            inner += len(data)
+        blob = b"".join(parts)
+        layers.append({"offset": offset, "length": len(blob), "crc": zlib.crc32(blob), "tensors": tensors})
+        blobs.append(blob)
+        offset += len(blob)
+    scores = chunk.freq_scores.to(torch.float32).contiguous().view(torch.uint8).numpy().tobytes()
+    meta = {
+        "key": key,
+        "codec": codec.spec,
+        "token_ids": list(chunk.token_ids),
+        "dtype": str(chunk.keys[0].dtype).removeprefix("torch."),
+        "alpha": chunk.alpha,
+        "scores_crc": zlib.crc32(scores),
+        "layers": layers,
+    }
+    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    fixed = _FIXED.pack(MAGIC, VERSION, len(meta_bytes), zlib.crc32(meta_bytes))
+    return fixed + meta_bytes + scores + b"".join(blobs)
+
+
+def parse_compressed_header(data: bytes | memoryview, name: str) -> CompressedHeader:
+    """The verified header of a stored compressed chunk (its layers are checked when read)."""
+    if len(data) < _FIXED.size:
+        raise CorruptChunkError(f"{name}: truncated header")
+    magic, version, meta_len, meta_crc = _FIXED.unpack(bytes(data[: _FIXED.size]))
+    if magic != MAGIC or version != VERSION:
+        raise CorruptChunkError(f"{name}: not a compressed chunk (bad magic or version)")
+    meta_bytes = bytes(data[_FIXED.size : _FIXED.size + meta_len])
+    if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
+        raise CorruptChunkError(f"{name}: metadata checksum mismatch")
+    try:
+        meta = json.loads(meta_bytes)
+        n, layers = len(meta["token_ids"]), meta["layers"]
+        dtype = _DTYPES[meta["dtype"]]
+    except (ValueError, KeyError, TypeError) as error:
+        raise CorruptChunkError(f"{name}: unreadable metadata") from error
+    start = _FIXED.size + meta_len
+    scores = bytes(data[start : start + 4 * n * len(layers)])
+    if zlib.crc32(scores) != meta["scores_crc"]:
+        raise CorruptChunkError(f"{name}: scores checksum mismatch")
+    header = CompressedHeader(
+        key=meta["key"],
+        codec=meta["codec"],
+        token_ids=tuple(int(t) for t in meta["token_ids"]),
+        dtype=dtype,
+        alpha=float(meta["alpha"]),
+        freq_scores=torch.frombuffer(bytearray(scores), dtype=torch.float32).reshape(len(layers), n),
+        layers=tuple(layers),
+        data_offset=start + len(scores),
+    )
+    if len(data) != header.stored_bytes:
+        raise CorruptChunkError(f"{name}: {len(data)} bytes, header says {header.stored_bytes}")
+    return header
+
+
+def decode_layer(data: bytes | memoryview, header: CompressedHeader, layer: int) -> DecodedLayer:
+    """Layer `layer` verified and decompressed; CorruptChunkError if its blob fails its CRC."""
+    entry = header.layers[layer]
+    begin = header.data_offset + int(entry["offset"])
+    blob = bytes(data[begin : begin + int(entry["length"])])
+    if zlib.crc32(blob) != entry["crc"]:
+        raise CorruptChunkError(f"{header.key[:12]} layer {layer}: checksum mismatch")
+    tensors = {}
+    for spec in entry["tensors"]:
+        dtype = _DTYPES[spec["dtype"]]
+        size = dtype.itemsize * _count(spec["shape"])
+        raw = bytearray(blob[spec["at"] : spec["at"] + size])
+        tensors[spec["name"]] = (
+            torch.frombuffer(raw, dtype=dtype).reshape(spec["shape"])
+            if raw
+            else torch.empty(spec["shape"], dtype=dtype)
+        )
+    compressed = CompressedLayer(header.codec, len(header.token_ids), header.dtype, tensors)
+    return parse_codec(header.codec).decode(compressed)
+
+
+def _count(shape: list[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= int(size)
+    return total

@@ -1,0 +1,1 @@
+"""Where each context's KV lives and how it is compressed, by one utility score (EvicPress)."""
