@@ -121,12 +121,12 @@ def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
     crcs = np.empty((2, num_layers, n), dtype=np.uint32)
     for layer, tensors in enumerate(zip(chunk.keys, chunk.values, strict=True)):
         for side, tensor in enumerate(tensors):
-            data = _tensor_bytes(tensor.to(dtype))
+            data = tensor_bytes(tensor.to(dtype))
             row = len(data) // n
             crcs[side, layer] = [zlib.crc32(data[i * row : (i + 1) * row]) for i in range(n)]
             layers.append(data)
     table = crcs.tobytes()
-    scores = _tensor_bytes(chunk.freq_scores.to(torch.float32))
+    scores = tensor_bytes(chunk.freq_scores.to(torch.float32))
     meta = {
         "key": key,
         "token_ids": list(chunk.token_ids),
@@ -291,7 +291,8 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor (CPU, contiguous), as stored files hold them."""
     return tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 

@@ -67,8 +67,8 @@ class TierStats:
     disk: ChunkDiskStats | None
     remote: ChunkRemoteStats | None
     lookups: dict[str, int]  # fusion lookups answered per tier, and "miss"
-    promotions: int  # chunks read from disk back into host memory
-    demotions: int  # chunks evicted from host memory that stay on disk
+    promotions: int  # chunks read from a lower tier back into host memory
+    demotions: int  # chunks evicted from host memory that a lower tier still holds
     lost: int  # chunks no tier holds any more (evicted everywhere, or a failed write)
 
 

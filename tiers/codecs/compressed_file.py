@@ -14,6 +14,7 @@ is never decompressed into attention; the caller drops it and computes the token
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sglang_hicache_ext.tiers.chunk_file import ChunkLike, CorruptChunkError
+from sglang_hicache_ext.tiers.chunk_file import ChunkLike, CorruptChunkError, tensor_bytes
 from sglang_hicache_ext.tiers.codecs.base import CompressedLayer, DecodedLayer, KVCodec
 from sglang_hicache_ext.tiers.codecs.parse import parse_codec
 
@@ -69,7 +70,7 @@ def encode_compressed(
         layer = codec.encode(keys, values, queries(index))
         parts, tensors, inner = [], [], 0
         for name, tensor in layer.tensors.items():
-            data = tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
+            data = tensor_bytes(tensor)
             dtype = str(tensor.dtype).removeprefix("torch.")
             tensors.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "at": inner})
             parts.append(data)
@@ -78,7 +79,7 @@ def encode_compressed(
         layers.append({"offset": offset, "length": len(blob), "crc": zlib.crc32(blob), "tensors": tensors})
         blobs.append(blob)
         offset += len(blob)
-    scores = chunk.freq_scores.to(torch.float32).contiguous().view(torch.uint8).numpy().tobytes()
+    scores = tensor_bytes(chunk.freq_scores.to(torch.float32))
     meta = {
         "key": key,
         "codec": codec.spec,
@@ -138,7 +139,7 @@ def decode_layer(data: bytes | memoryview, header: CompressedHeader, layer: int)
     tensors = {}
     for spec in entry["tensors"]:
         dtype = _DTYPES[spec["dtype"]]
-        size = dtype.itemsize * _count(spec["shape"])
+        size = dtype.itemsize * math.prod(spec["shape"])
         raw = bytearray(blob[spec["at"] : spec["at"] + size])
         tensors[spec["name"]] = (
             torch.frombuffer(raw, dtype=dtype).reshape(spec["shape"])
@@ -148,9 +149,3 @@ def decode_layer(data: bytes | memoryview, header: CompressedHeader, layer: int)
     compressed = CompressedLayer(header.codec, len(header.token_ids), header.dtype, tensors)
     return parse_codec(header.codec).decode(compressed)
 
-
-def _count(shape: list[int]) -> int:
-    total = 1
-    for size in shape:
-        total *= int(size)
-    return total
