@@ -29,7 +29,6 @@ selector; `<method>#<codec>` (e.g. `default@0.15#int8`) runs it on chunks stored
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import statistics
@@ -63,7 +62,8 @@ from sglang_hicache_ext.fusion.selectors import Selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
-from sglang_hicache_ext.tiers.codecs.parse import parse_codec
+from sglang_hicache_ext.tiers.chunk_forms import stored_codec
+from sglang_hicache_ext.tiers.chunk_forms import through_codec as stored_through_codec
 from sglang_hicache_ext.tuning.ratio.quality_floor import (
     FLOORS_FILE,
     TARGET_RETENTION,
@@ -110,14 +110,12 @@ def question_segments(
 
 
 def through_codec(chunk: PrecomputedChunk, spec: str) -> PrecomputedChunk:
-    """The chunk as a tier storing it with codec `spec` returns it (dense codecs only: the
-    fusion core takes no chunk with dropped rows yet)."""
-    codec = parse_codec(spec)
-    layers = [codec.decode(codec.encode(k, v)) for k, v in zip(chunk.keys, chunk.values, strict=True)]
-    if any(layer.kept is not None for layer in layers):
-        raise SystemExit(f"codec {spec} drops tokens; only int8 / int4 are measured here yet")
-    keys = tuple(layer.keys for layer in layers)
-    return dataclasses.replace(chunk, keys=keys, values=tuple(layer.values for layer in layers))
+    """The chunk as a tier storing it with codec `spec` returns it (int8 / int4: the codecs
+    tiers store, `tiers/chunk_forms.py`)."""
+    try:
+        return PrecomputedChunk(*stored_through_codec(chunk, stored_codec(spec)))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def split_codec(method: str) -> tuple[str, str | None]:

@@ -21,6 +21,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     CONTROL_PREFIX,
     ChunkRegistry,
     chunk_namespace,
+    registration_codec,
     registration_id,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
@@ -108,7 +109,9 @@ def cache_class() -> type:
                 tokens = list(req.origin_input_ids)
                 slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(tokens)]
                 kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
-                self.chunks.capture(chunk_id, tokens, kv_pool, slots.to(torch.long))
+                self.chunks.capture(
+                    chunk_id, tokens, kv_pool, slots.to(torch.long), registration_codec(req)
+                )
 
             def ext_status(self) -> dict[str, Any]:
                 controller = self.cache_controller

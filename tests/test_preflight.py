@@ -217,6 +217,10 @@ def test_disk_tier_good_options_and_other_backends_pass(tmp_path: Path) -> None:
         ({"chunk_mooncake_master": "127.0.0.1:0"}, "'127.0.0.1:0' must be host:port"),
         ({"chunk_mooncake_segment_bytes": -1}, "chunk_mooncake_segment_bytes = -1 must be >= 0"),
         ({"chunk_mooncake_metadata_server": ""}, "chunk_mooncake_metadata_server"),
+        ({"chunk_codec": "zstd"}, "chunk_codec = 'zstd' unknown codec 'zstd'; stored chunks take"),
+        ({"chunk_codec": "knorm:1.5"}, "'knorm:1.5': the drop ratio must be in (0, 1), got 1.5"),
+        ({"chunk_codec": "keydiff:-0.2"}, "the drop ratio must be in (0, 1), got -0.2"),
+        ({"chunk_codec": "snapkv:0.5"}, "'snapkv:0.5' drops tokens; stored chunks take int8 or"),
     ],
 )
 def test_bad_chunk_tier_settings_are_one_line(values: dict[str, object], message: str) -> None:
@@ -288,4 +292,16 @@ def test_launch_with_unknown_chunk_tier(tiny_llama_path: Path, tmp_path: Path) -
     )
     _assert_clear_error(
         result, "chunk_tiers: 'nvme' is unknown; choose from 'host', 'disk' or 'mooncake'"
+    )
+
+
+@pytest.mark.server
+def test_launch_with_unknown_chunk_codec(tiny_llama_path: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "ext.json"
+    bad.write_text(json.dumps({"chunk_codec": "int3", "chunk_disk_dir": str(tmp_path)}))
+    result = _launch(
+        ServerConfig(model_path=str(tiny_llama_path), port=free_port()), {CONFIG_ENV_VAR: str(bad)}
+    )
+    _assert_clear_error(
+        result, "chunk_codec = 'int3' unknown codec 'int3'; stored chunks take int8 or int4"
     )

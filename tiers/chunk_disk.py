@@ -1,5 +1,8 @@
 """Local-disk tier of precomputed chunks: one crash-safe file per chunk, a byte budget, LRU.
 
+A chunk is stored dense, or compressed by a codec (`chunk_forms.py`): the budget counts the
+bytes on disk, so compressed chunks let the tier hold more, and reading them moves fewer bytes.
+
 Chunks survive a restart: opening the directory indexes every chunk file whose header verifies
 (stray temp files of an interrupted write are removed, files that fail their checks are deleted
 and counted), so a chunk registered before is found again by its key. Row checksums are checked
@@ -31,11 +34,14 @@ from sglang_hicache_ext.tiers.chunk_file import (
     ChunkLike,
     ChunkTensors,
     CorruptChunkError,
-    encode_chunk,
+)
+from sglang_hicache_ext.tiers.chunk_forms import (
+    encode_stored,
     read_chunk,
     read_header,
-    read_rows,
+    read_layer_rows,
 )
+from sglang_hicache_ext.tiers.codecs.base import KVCodec
 from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX, commit, fsync_directory, write_temp
 
 logger = logging.getLogger(__name__)
@@ -153,9 +159,10 @@ class ChunkDiskTier:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(self, key: str, chunk: ChunkLike) -> bool:
-        """Store `chunk` under `key`; False (logged, counted) if it cannot be written."""
-        header, rows = encode_chunk(key, chunk)
+    def put(self, key: str, chunk: ChunkLike, codec: KVCodec | None = None) -> bool:
+        """Store `chunk` under `key` (compressed by `codec` if given); False (logged, counted)
+        if it cannot be written."""
+        header, rows = encode_stored(key, chunk, codec)
         size = len(header) + len(rows)
         if size > self.capacity_bytes:
             self._failed_write(key, f"{size} bytes exceed the tier's {self.capacity_bytes}")
@@ -239,7 +246,7 @@ class ChunkDiskTier:
     ) -> LayerRows:
         began = time.perf_counter()
         try:
-            layer_rows = LayerRows(*read_rows(fd, reader.header, layer, rows))
+            layer_rows = LayerRows(*read_layer_rows(fd, reader.header, layer, rows))
         except (CorruptChunkError, OSError) as error:
             self._drop_corrupt(reader.key, error)
             raise CorruptChunkError(f"chunk {reader.key[:12]} layer {layer}: {error}") from error

@@ -16,18 +16,19 @@ exactly those, instead of reading a whole layer to check one checksum. Files are
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO, NamedTuple, Protocol
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from sglang_hicache_ext.tiers.codecs.compressed_file import CompressedHeader
 
 MAGIC = b"HKVC"
 VERSION = 1
@@ -85,6 +86,20 @@ class ChunkFileHeader:
     freq_scores: torch.Tensor  # float32 [layers, tokens]
     data_offset: int
     file_len: int
+    # Set for a chunk stored compressed (`codecs/compressed_file.py`): its layer table. Its
+    # rows are then read a whole layer at a time and decoded; `row_crcs` is empty.
+    compressed: CompressedHeader | None = None
+
+    @property
+    def codec(self) -> str | None:
+        """The codec of a compressed chunk; None for dense rows."""
+        return None if self.compressed is None else self.compressed.codec
+
+    @property
+    def stored_bytes(self) -> int:
+        if self.compressed is not None:
+            return self.compressed.stored_bytes
+        return self.data_offset + self.num_layers * self.layer_bytes
 
     @property
     def num_tokens(self) -> int:
@@ -147,20 +162,6 @@ def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
 # Where rows are read from: an open file's descriptor, or the whole encoded chunk in memory
 # (an object fetched from a remote store).
 RowSource = int | bytes | memoryview
-
-
-def read_header(path: Path) -> ChunkFileHeader:
-    """Parse and verify everything but the rows; also checks the file's exact length."""
-    with open(path, "rb") as file:
-        return parse_header(file, str(path))
-
-
-def decode_chunk(data: bytes, name: str, expected_key: str | None = None) -> ChunkTensors:
-    """A whole chunk from its encoded bytes (`b"".join(encode_chunk(...))`), every row verified."""
-    header = parse_header(io.BytesIO(data), name)
-    if expected_key is not None and header.key != expected_key:
-        raise CorruptChunkError(f"{name}: holds {header.key[:12]}, expected {expected_key[:12]}")
-    return _all_rows(memoryview(data), header)
 
 
 def parse_header(file: BinaryIO, name: str, rows_follow: bool = True) -> ChunkFileHeader:
@@ -231,29 +232,6 @@ def read_rows(
         _tensor_of(keys, header.dtype, shape_k),
         _tensor_of(values, header.dtype, shape_v),
         len(keys) + len(values),
-    )
-
-
-def read_chunk(path: Path, expected_key: str | None = None) -> ChunkTensors:
-    """The whole chunk, every row verified."""
-    header = read_header(path)
-    if expected_key is not None and header.key != expected_key:
-        raise CorruptChunkError(f"{path}: holds {header.key[:12]}, expected {expected_key[:12]}")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _all_rows(fd, header)
-    finally:
-        os.close(fd)
-
-
-def _all_rows(source: RowSource, header: ChunkFileHeader) -> ChunkTensors:
-    layers = [read_rows(source, header, layer)[:2] for layer in range(header.num_layers)]
-    return ChunkTensors(
-        token_ids=header.token_ids,
-        keys=tuple(k for k, _ in layers),
-        values=tuple(v for _, v in layers),
-        freq_scores=header.freq_scores.clone(),
-        alpha=header.alpha,
     )
 
 

@@ -30,10 +30,9 @@ from sglang_hicache_ext.tiers.chunk_file import (
     ChunkLike,
     ChunkTensors,
     CorruptChunkError,
-    decode_chunk,
-    encode_chunk,
-    parse_header,
 )
+from sglang_hicache_ext.tiers.chunk_forms import decode_chunk, encode_stored, parse_stored_header
+from sglang_hicache_ext.tiers.codecs.base import KVCodec
 from sglang_hicache_ext.tiers.mooncake_store import ObjectStore, RemoteStoreError
 
 logger = logging.getLogger(__name__)
@@ -84,15 +83,16 @@ class ChunkRemoteTier:
 
     def stats(self) -> ChunkRemoteStats:
         with self._lock:
-            size = sum(h.data_offset + h.num_layers * h.layer_bytes for h in self._headers.values())
+            size = sum(h.stored_bytes for h in self._headers.values())
             counts = {name: self._counts[name] for name in _COUNTERS}
             return ChunkRemoteStats(len(self._headers), size, read_s=self._read_s, **counts)
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(self, key: str, chunk: ChunkLike) -> bool:
-        """Store `chunk` under `key`; False (logged, counted) if the store does not take it."""
-        header, rows = encode_chunk(key, chunk)
+    def put(self, key: str, chunk: ChunkLike, codec: KVCodec | None = None) -> bool:
+        """Store `chunk` under `key` (compressed by `codec` if given); False (logged, counted)
+        if the store does not take it."""
+        header, rows = encode_stored(key, chunk, codec)
         try:
             self._check_reachable()
             self.store.put(self.prefix + key, header + rows)
@@ -101,7 +101,7 @@ class ChunkRemoteTier:
             logger.error("chunk %s not written to the shared tier: %s", key[:12], error)
             self._failed("write_errors", error)
             return False
-        parsed = parse_header(io.BytesIO(header), key, rows_follow=False)
+        parsed = parse_stored_header(io.BytesIO(header), key, rows_follow=False)
         with self._lock:
             self._headers[key] = parsed
             self._counts["bytes_written"] += len(header) + len(rows)
@@ -137,7 +137,7 @@ class ChunkRemoteTier:
         if data is None:
             return None
         try:
-            header = parse_header(io.BytesIO(data), key, rows_follow=False)
+            header = parse_stored_header(io.BytesIO(data), key, rows_follow=False)
             if header.key != key:
                 raise CorruptChunkError(f"holds {header.key[:12]}")
         except CorruptChunkError as error:

@@ -34,8 +34,10 @@ from typing import Any, Generic, NamedTuple
 
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier, ChunkReader
 from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkLike, ChunkTensors
+from sglang_hicache_ext.tiers.chunk_forms import through_codec
 from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteStats, ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, ChunkStoreStats, StoreFullError, V
+from sglang_hicache_ext.tiers.codecs.base import KVCodec
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class ChunkSummary(NamedTuple):
     num_tokens: int
     num_layers: int
     nbytes: int  # bytes of its K, V and scores in memory
+    codec: str | None = None  # how lower tiers store it (None: dense rows)
 
 
 class Pinned(NamedTuple):
@@ -75,7 +78,10 @@ class TierStats:
 def summary_of_header(header: ChunkFileHeader) -> ChunkSummary:
     scores = header.freq_scores.numel() * header.freq_scores.element_size()
     return ChunkSummary(
-        header.num_tokens, header.num_layers, header.num_layers * header.layer_bytes + scores
+        header.num_tokens,
+        header.num_layers,
+        header.num_layers * header.layer_bytes + scores,
+        header.codec,
     )
 
 
@@ -176,15 +182,19 @@ class TieredChunkStore(Generic[V]):
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(self, key: str, chunk: V) -> list[str]:
-        """Store `chunk` in every tier; the keys no tier holds any more (drop them from indexes).
+    def put(self, key: str, chunk: V, codec: KVCodec | None = None) -> list[str]:
+        """Store `chunk` in every tier (compressed by `codec` in the lower ones: host memory
+        holds what they decode to, `chunk_forms.through_codec`); the keys no tier holds any
+        more (drop them from indexes).
 
         Raises StoreFullError only when no tier took it (host memory pinned full, and no lower
         tier or every lower write failed)."""
         below = False
         for lower in (self.disk, self.remote):  # failed writes are logged and counted there
             if lower is not None:
-                below = lower.put(key, _as_chunk_like(chunk)) or below
+                below = lower.put(key, _as_chunk_like(chunk), codec) or below
+        if codec is not None:  # what the lower tiers give back, so every tier answers alike
+            chunk = self._rebuild(through_codec(_as_chunk_like(chunk), codec))
         try:
             evicted = self.host.put(key, chunk)
         except StoreFullError:

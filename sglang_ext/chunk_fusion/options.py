@@ -12,15 +12,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
-from sglang_hicache_ext.sglang_ext.server.settings import (
+from sglang_hicache_ext.sglang_ext.server.setting_types import (
     AUTO_RATIO,
-    ExtensionSettings,
     RatioOrAuto,
     SelectorName,
     SinkTokens,
-    bound_phrase,
     selector_choices,
 )
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, bound_phrase
 
 ENABLE_KEY = "fusion"
 SELECTOR_KEY = "fusion_selector"

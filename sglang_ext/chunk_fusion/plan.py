@@ -25,7 +25,8 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, pa
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
-from sglang_hicache_ext.sglang_ext.server.settings import AUTO_RATIO, ExtensionSettings
+from sglang_hicache_ext.sglang_ext.server.setting_types import AUTO_RATIO
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 from sglang_hicache_ext.tiers.chunk_tiers import HOST
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, load_ratio_table
 

@@ -30,6 +30,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedCh
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkTensors
+from sglang_hicache_ext.tiers.chunk_forms import stored_codec
 from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
 from sglang_hicache_ext.tiers.chunk_tiers import (
@@ -42,6 +43,7 @@ from sglang_hicache_ext.tiers.chunk_tiers import (
 logger = logging.getLogger(__name__)
 
 REGISTER_PARAM = "hicache_ext_register_chunk"
+CODEC_PARAM = "hicache_ext_chunk_codec"  # with REGISTER_PARAM: the codec lower tiers store it with
 CONTROL_PREFIX = "hicache_ext."
 
 # Set by `POST /chunks` around its own prefill request. A request carrying REGISTER_PARAM
@@ -56,6 +58,13 @@ def registration_id(req: Any) -> str | None:
     """The chunk id a request registers, if it is a registration request."""
     params = getattr(req.sampling_params, "custom_params", None) or {}
     value = params.get(REGISTER_PARAM)
+    return value if isinstance(value, str) else None
+
+
+def registration_codec(req: Any) -> str | None:
+    """The codec spec a registration request asks for (checked by the route), if any."""
+    params = getattr(req.sampling_params, "custom_params", None) or {}
+    value = params.get(CODEC_PARAM)
     return value if isinstance(value, str) else None
 
 
@@ -157,9 +166,15 @@ class ChunkRegistry:
         self.store.unpin(chunk_id)
 
     def capture(
-        self, chunk_id: str, token_ids: list[int], kv_pool: Any, slots: torch.Tensor
+        self,
+        chunk_id: str,
+        token_ids: list[int],
+        kv_pool: Any,
+        slots: torch.Tensor,
+        codec: str | None = None,
     ) -> bool:
-        """Store the chunk whose K/V sit at `slots` (positions 0..n-1) of `kv_pool`."""
+        """Store the chunk whose K/V sit at `slots` (positions 0..n-1) of `kv_pool`, compressed
+        by `codec` in the lower tiers."""
         if chunk_id != chunk_hash(token_ids):
             self.failed_captures += 1
             logger.error("chunk registration %s does not match its tokens; ignored", chunk_id[:12])
@@ -185,21 +200,21 @@ class ChunkRegistry:
             freq_scores=scores,
             alpha=self._alpha,
         )
-        return self.add(chunk)
+        return self.add(chunk, codec)
 
-    def add(self, chunk: PrecomputedChunk) -> bool:
-        """Store and index a precomputed chunk (written through to disk when there is one);
-        False (logged, counted) when no tier could take it."""
+    def add(self, chunk: PrecomputedChunk, codec: str | None = None) -> bool:
+        """Store and index a precomputed chunk (written through to disk when there is one,
+        compressed by `codec` there); False (logged, counted) when no tier could take it."""
         chunk_id = chunk.content_hash
         try:
-            lost = self.store.put(chunk_id, chunk)
-        except StoreFullError as err:
+            lost = self.store.put(chunk_id, chunk, None if codec is None else stored_codec(codec))
+        except (StoreFullError, ValueError) as err:  # ValueError: a codec tiers cannot store
             self.failed_captures += 1
             logger.error("chunk %s not stored: %s", chunk_id[:12], err)
             return False
         self.forget(lost)
         self._add_to_index(chunk_id, chunk.token_ids)
-        self._summaries[chunk_id] = _summary(chunk)
+        self._summaries[chunk_id] = _summary(chunk)._replace(codec=codec)
         self.generation += 1
         self._report_stored_bytes()
         logger.info(
@@ -223,6 +238,7 @@ class ChunkRegistry:
             "num_layers": summary.num_layers,
             "tier": tiers[0],  # where a request would load it from
             "tiers": tiers,
+            "codec": summary.codec,  # how the lower tiers store it; None: dense rows
         }
 
     def describe(self, chunk_id: str) -> dict[str, Any] | None:

@@ -1,7 +1,9 @@
 """HTTP routes of the extension, added to SGLang's FastAPI app in the launching process.
 
-- `POST /chunks` `{"text": ...}` or `{"input_ids": [...]}`: register a document chunk (idempotent:
-  the id is the content hash of its token ids); returns `{"id", "num_tokens", "nbytes", "created"}`.
+- `POST /chunks` `{"text": ...}` or `{"input_ids": [...]}`, optionally `"codec": "int8"` /
+  `"int4"` / null (how the disk and Mooncake tiers store it; default the setting chunk_codec):
+  register a document chunk (idempotent: the id is the content hash of its token ids; 409 when
+  it is stored with another codec); returns `{"id", "num_tokens", "nbytes", "codec", "created", ...}`.
 - `GET /chunks`: the registered chunks and the chunk-store statistics.
 - `GET /chunks/{id}[?probe_layer=L&probe_token=T]`: one chunk; the probe (diagnostics) adds the
   stored pre-RoPE key of token T at layer L, to check a capture against another implementation.
@@ -35,6 +37,7 @@ from fastapi.responses import JSONResponse
 
 from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
+    CODEC_PARAM,
     CONTROL_PREFIX,
     REGISTER_PARAM,
     registering_chunk,
@@ -46,6 +49,7 @@ from sglang_hicache_ext.sglang_ext.server.request_limits import (
     read_bounded_body,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.tiers.chunk_forms import stored_codec
 
 # A capture lands when the scheduler checkpoints the request, just before the response goes out.
 _CAPTURE_POLL_S = 0.05
@@ -153,7 +157,7 @@ async def _chunk_token_ids(body: Any, manager: Any, max_tokens: int, bound: str)
     """The chunk's token ids; sizes are checked before types and before any tokenization."""
     if not isinstance(body, dict) or ("text" in body) == ("input_ids" in body):
         raise RequestRefused(400, 'send a JSON object with exactly one of "text" or "input_ids"')
-    unknown = sorted(set(body) - {"text", "input_ids"})
+    unknown = sorted(set(body) - {"text", "input_ids", "codec"})
     if unknown:
         raise RequestRefused(400, f"unknown key(s) {', '.join(map(repr, unknown))[:200]}")
     too_long = f"the chunk is longer than {max_tokens} tokens ({bound})"
@@ -194,6 +198,23 @@ async def _chunk_token_ids(body: Any, manager: Any, max_tokens: int, bound: str)
     return [int(t) for t in ids]
 
 
+def _chunk_codec(body: dict[str, Any], settings: ExtensionSettings) -> str | None:
+    """The codec the lower tiers store the chunk with: the body's "codec" (null: dense rows),
+    else the setting chunk_codec."""
+    if "codec" not in body:
+        return settings.chunk_codec
+    codec = body["codec"]
+    if codec is None:
+        return None
+    if not isinstance(codec, str):
+        raise RequestRefused(400, '"codec" must be a string ("int8", "int4") or null')
+    try:
+        stored_codec(codec)
+    except ValueError as err:
+        raise RequestRefused(400, f'"codec": {err}') from None
+    return codec
+
+
 async def register_chunk(request: Request) -> JSONResponse:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -205,17 +226,27 @@ async def register_chunk(request: Request) -> JSONResponse:
             request, limits.settings.chunk_max_body_bytes, "chunk_max_body_bytes"
         )
         max_tokens, bound = _max_chunk_tokens(manager, limits.settings)
-        ids = await _chunk_token_ids(parse_json(raw), manager, max_tokens, bound)
+        body = parse_json(raw)
+        ids = await _chunk_token_ids(body, manager, max_tokens, bound)
+        codec = _chunk_codec(body, limits.settings)
     except RequestRefused as err:
         return _refused(err)
     chunk_id = chunk_hash(ids)
     try:
         known = (await _control("describe_chunk", {"id": chunk_id})).get("chunk")
         if known is not None:
+            if "codec" in body and known.get("codec") != codec:
+                return _error(
+                    409,
+                    f"chunk {chunk_id[:12]} is stored with codec {known.get('codec')!r}; "
+                    f"DELETE /chunks/{chunk_id} first to store it with {codec!r}",
+                )
             return JSONResponse({**known, "created": False})
+        params: dict[str, Any] = {REGISTER_PARAM: chunk_id}
+        if codec is not None:
+            params[CODEC_PARAM] = codec
         prefill = GenerateReqInput(
-            input_ids=ids,
-            sampling_params={"max_new_tokens": 0, "custom_params": {REGISTER_PARAM: chunk_id}},
+            input_ids=ids, sampling_params={"max_new_tokens": 0, "custom_params": params}
         )
         # Only this route may send REGISTER_PARAM (checked by fused_prefill.validate_request).
         token = registering_chunk.set(True)

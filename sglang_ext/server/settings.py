@@ -16,11 +16,22 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
+
+from sglang_hicache_ext.sglang_ext.server.setting_types import (
+    AUTO_RATIO,
+    RATIO_CHOICES,
+    ChunkCodecSpec,
+    HostPort,
+    RatioOrAuto,
+    SelectorName,
+    SinkTokens,
+    TierOrder,
+)
 
 CONFIG_ENV_VAR = "SGLANG_HICACHE_EXT_CONFIG"
 EXTRA_CONFIG_KEY = "hicache_ext_config"
@@ -28,51 +39,6 @@ EXTRA_CONFIG_KEY = "hicache_ext_config"
 
 class SettingsError(ValueError):
     """A settings file or value that the extension refuses to start with."""
-
-
-def selector_choices() -> str:
-    """What a refused selector name is told (the fusion core's selectors)."""
-    # Imported when used: the fusion core imports torch; reading settings needs none of it.
-    from sglang_hicache_ext.fusion.selectors import SELECTORS
-
-    return f"is unknown; choose from {sorted(SELECTORS)}"
-
-
-def _known_selector(name: str) -> str:
-    from sglang_hicache_ext.fusion.selectors import SELECTORS
-
-    if name not in SELECTORS:
-        raise ValueError(selector_choices())
-    return name
-
-
-ChunkTierName = Literal["host", "disk", "mooncake"]  # fastest first (tiers/chunk_tiers.py)
-
-
-def _tier_order(tiers: list[str]) -> list[str]:
-    order = list(get_args(ChunkTierName))
-    if not tiers or tiers[0] != "host":
-        raise ValueError("must start with 'host' (chunks are captured into host memory)")
-    if len(set(tiers)) != len(tiers) or tiers != sorted(tiers, key=order.index):
-        raise ValueError(f"must list each tier once, fastest first ({', '.join(order)})")
-    return tiers
-
-
-def _host_port(address: str) -> str:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("must be host:port (mooncake_master's --rpc_address and --port)")
-    return address
-
-
-# Shared with the per-request options (`chunk_fusion/options.py`), so both check alike.
-SelectorName = Annotated[str, AfterValidator(_known_selector)]
-RecomputeRatio = Annotated[float, Field(ge=0, le=1)]
-# "auto": the ratio tuned for the tier each chunk is loaded from (setting fusion_ratio_table).
-AUTO_RATIO = "auto"
-RatioOrAuto = RecomputeRatio | Literal["auto"]
-RATIO_CHOICES = 'must be in [0, 1] or "auto"'
-SinkTokens = Annotated[int, Field(ge=0)]
 
 
 class ExtensionSettings(BaseModel):
@@ -102,7 +68,7 @@ class ExtensionSettings(BaseModel):
         gt=0,
         description="Host memory for precomputed chunk KV (POST /chunks), LRU beyond it.",
     )
-    chunk_tiers: Annotated[list[ChunkTierName], AfterValidator(_tier_order)] | None = Field(
+    chunk_tiers: TierOrder | None = Field(
         None,
         description="Tiers holding registered chunks, fastest first: host, disk, mooncake. "
         "Default: host, and disk when chunk_disk_dir is set.",
@@ -123,7 +89,7 @@ class ExtensionSettings(BaseModel):
         "(benchmarks); 0 = the disk's own speed.",
         json_schema_extra={"zero_means": "the disk's own speed"},
     )
-    chunk_mooncake_master: Annotated[str, AfterValidator(_host_port)] | None = Field(
+    chunk_mooncake_master: HostPort | None = Field(
         None,
         description="host:port of a Mooncake master: the chunk tier shared by servers (on "
         "when set). Chunks are written through to it; another server finds them by id.",
@@ -145,6 +111,12 @@ class ExtensionSettings(BaseModel):
         description="Memory this server lends to the Mooncake store (its share of the shared "
         "tier; chunks in it go when the server stops).",
         json_schema_extra={"zero_means": "lends none, uses other servers' segments"},
+    )
+    chunk_codec: ChunkCodecSpec | None = Field(
+        None,
+        description='Codec the disk and Mooncake tiers store chunks with: "int8" or "int4" '
+        "(KIVI-style; host memory holds what they decode to); POST /chunks \"codec\" "
+        "overrides it per chunk. Default: dense rows.",
     )
     fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
     # question_error with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B

@@ -13,17 +13,26 @@ is never decompressed into attention; the caller drops it and computes the token
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
-from sglang_hicache_ext.tiers.chunk_file import ChunkLike, CorruptChunkError, tensor_bytes
+from sglang_hicache_ext.tiers.chunk_file import (
+    ChunkFileHeader,
+    ChunkLike,
+    CorruptChunkError,
+    RowSource,
+    tensor_bytes,
+)
 from sglang_hicache_ext.tiers.codecs.base import CompressedLayer, DecodedLayer, KVCodec
 from sglang_hicache_ext.tiers.codecs.parse import parse_codec
 
@@ -41,6 +50,9 @@ class CompressedHeader:
     key: str
     codec: str
     token_ids: tuple[int, ...]
+    kv_heads: int
+    key_dim: int
+    value_dim: int
     dtype: torch.dtype
     alpha: float
     freq_scores: torch.Tensor  # float32 [layers, tokens]
@@ -54,6 +66,25 @@ class CompressedHeader:
     @property
     def stored_bytes(self) -> int:
         return self.data_offset + sum(int(layer["length"]) for layer in self.layers)
+
+    def as_chunk_header(self) -> ChunkFileHeader:
+        """The header every tier indexes chunks by (tokens, geometry, scores), pointing back
+        here for the layer table."""
+        return ChunkFileHeader(
+            key=self.key,
+            token_ids=self.token_ids,
+            num_layers=self.num_layers,
+            kv_heads=self.kv_heads,
+            key_dim=self.key_dim,
+            value_dim=self.value_dim,
+            dtype=self.dtype,
+            alpha=self.alpha,
+            row_crcs=np.empty((2, self.num_layers, 0), dtype=np.uint32),  # layers carry CRCs
+            freq_scores=self.freq_scores,
+            data_offset=self.data_offset,
+            file_len=self.stored_bytes,
+            compressed=self,
+        )
 
 
 def encode_compressed(
@@ -80,10 +111,14 @@ def encode_compressed(
         blobs.append(blob)
         offset += len(blob)
     scores = tensor_bytes(chunk.freq_scores.to(torch.float32))
+    _, heads, key_dim = chunk.keys[0].shape
     meta = {
         "key": key,
         "codec": codec.spec,
         "token_ids": list(chunk.token_ids),
+        "kv_heads": int(heads),
+        "key_dim": int(key_dim),
+        "value_dim": int(chunk.values[0].shape[2]),
         "dtype": str(chunk.keys[0].dtype).removeprefix("torch."),
         "alpha": chunk.alpha,
         "scores_crc": zlib.crc32(scores),
@@ -94,46 +129,75 @@ def encode_compressed(
     return fixed + meta_bytes + scores + b"".join(blobs)
 
 
-def parse_compressed_header(data: bytes | memoryview, name: str) -> CompressedHeader:
-    """The verified header of a stored compressed chunk (its layers are checked when read)."""
-    if len(data) < _FIXED.size:
+def is_compressed(first_bytes: bytes) -> bool:
+    return first_bytes[: len(MAGIC)] == MAGIC
+
+
+def parse_compressed_header(
+    data: bytes | memoryview | BinaryIO, name: str, rows_follow: bool = True
+) -> CompressedHeader:
+    """The verified header of a stored compressed chunk (its layers are checked when read).
+    With `rows_follow` the layer blobs must follow to the exact length; without, `data` is the
+    header alone (a remote store keeps it apart, to index a chunk without fetching it)."""
+    file = io.BytesIO(bytes(data)) if isinstance(data, bytes | memoryview) else data
+    fixed = file.read(_FIXED.size)
+    if len(fixed) != _FIXED.size:
         raise CorruptChunkError(f"{name}: truncated header")
-    magic, version, meta_len, meta_crc = _FIXED.unpack(bytes(data[: _FIXED.size]))
+    magic, version, meta_len, meta_crc = _FIXED.unpack(fixed)
     if magic != MAGIC or version != VERSION:
         raise CorruptChunkError(f"{name}: not a compressed chunk (bad magic or version)")
-    meta_bytes = bytes(data[_FIXED.size : _FIXED.size + meta_len])
+    meta_bytes = file.read(meta_len)
     if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
         raise CorruptChunkError(f"{name}: metadata checksum mismatch")
     try:
         meta = json.loads(meta_bytes)
         n, layers = len(meta["token_ids"]), meta["layers"]
         dtype = _DTYPES[meta["dtype"]]
+        geometry = int(meta["kv_heads"]), int(meta["key_dim"]), int(meta["value_dim"])
     except (ValueError, KeyError, TypeError) as error:
         raise CorruptChunkError(f"{name}: unreadable metadata") from error
-    start = _FIXED.size + meta_len
-    scores = bytes(data[start : start + 4 * n * len(layers)])
+    scores = file.read(4 * n * len(layers))
     if zlib.crc32(scores) != meta["scores_crc"]:
         raise CorruptChunkError(f"{name}: scores checksum mismatch")
     header = CompressedHeader(
         key=meta["key"],
         codec=meta["codec"],
         token_ids=tuple(int(t) for t in meta["token_ids"]),
+        kv_heads=geometry[0],
+        key_dim=geometry[1],
+        value_dim=geometry[2],
         dtype=dtype,
         alpha=float(meta["alpha"]),
         freq_scores=torch.frombuffer(bytearray(scores), dtype=torch.float32).reshape(len(layers), n),
         layers=tuple(layers),
-        data_offset=start + len(scores),
+        data_offset=_FIXED.size + meta_len + len(scores),
     )
-    if len(data) != header.stored_bytes:
-        raise CorruptChunkError(f"{name}: {len(data)} bytes, header says {header.stored_bytes}")
+    file.seek(0, os.SEEK_END)
+    if rows_follow and file.tell() != header.stored_bytes:
+        raise CorruptChunkError(f"{name}: {file.tell()} bytes, header says {header.stored_bytes}")
     return header
 
 
-def decode_layer(data: bytes | memoryview, header: CompressedHeader, layer: int) -> DecodedLayer:
-    """Layer `layer` verified and decompressed; CorruptChunkError if its blob fails its CRC."""
+def decode_layer(source: RowSource, header: CompressedHeader, layer: int) -> DecodedLayer:
+    """Layer `layer` read (from an open file's descriptor or the whole stored bytes), verified
+    and decompressed; CorruptChunkError if its blob fails its CRC."""
+    return decode_layer_blob(read_layer_blob(source, header, layer), header, layer)
+
+
+def read_layer_blob(source: RowSource, header: CompressedHeader, layer: int) -> bytes:
     entry = header.layers[layer]
-    begin = header.data_offset + int(entry["offset"])
-    blob = bytes(data[begin : begin + int(entry["length"])])
+    begin, length = header.data_offset + int(entry["offset"]), int(entry["length"])
+    if isinstance(source, int):
+        blob = os.pread(source, length, begin)
+    else:
+        blob = bytes(source[begin : begin + length])
+    if len(blob) != length:
+        raise CorruptChunkError(f"{header.key[:12]} layer {layer}: short read")
+    return blob
+
+
+def decode_layer_blob(blob: bytes, header: CompressedHeader, layer: int) -> DecodedLayer:
+    entry = header.layers[layer]
     if zlib.crc32(blob) != entry["crc"]:
         raise CorruptChunkError(f"{header.key[:12]} layer {layer}: checksum mismatch")
     tensors = {}
@@ -148,4 +212,3 @@ def decode_layer(data: bytes | memoryview, header: CompressedHeader, layer: int)
         )
     compressed = CompressedLayer(header.codec, len(header.token_ids), header.dtype, tensors)
     return parse_codec(header.codec).decode(compressed)
-

@@ -1,0 +1,142 @@
+"""A chunk in either of its stored forms, told apart by the first bytes: dense rows
+(`chunk_file.py`: sparse reads, each row checked) or compressed by a codec
+(`codecs/compressed_file.py`: a layer read whole, checked, then decoded). The disk and shared
+tiers store and read through these functions, so either form works on every tier.
+
+Only codecs that decode to every token (int8, int4) are stored in tiers: a request reuses a
+chunk's rows at any token, and SGLang's KV pool has no per-token mask to leave a dropped token
+out of attention.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from sglang_hicache_ext.tiers.chunk_file import (
+    ChunkFileHeader,
+    ChunkLike,
+    ChunkTensors,
+    CorruptChunkError,
+    RowSource,
+    encode_chunk,
+    parse_header,
+    read_rows,
+)
+from sglang_hicache_ext.tiers.codecs.base import KVCodec
+from sglang_hicache_ext.tiers.codecs.compressed_file import (
+    decode_layer,
+    encode_compressed,
+    is_compressed,
+    parse_compressed_header,
+)
+from sglang_hicache_ext.tiers.codecs.dropping import TokenDroppingCodec
+from sglang_hicache_ext.tiers.codecs.parse import QUANTIZED, parse_codec
+
+
+def stored_codec(spec: str) -> KVCodec:
+    """The codec of `spec` if tiers can store chunks with it; ValueError (the message a client
+    or a settings file gets) otherwise."""
+    if ":" not in spec and spec not in QUANTIZED:
+        raise ValueError(f"unknown codec {spec!r}; stored chunks take int8 or int4")
+    codec = parse_codec(spec)  # a bad drop ratio is told as such
+    if isinstance(codec, TokenDroppingCodec):
+        raise ValueError(
+            f"codec {spec!r} drops tokens; stored chunks take int8 or int4 (a fused request may "
+            "reuse any token, and the KV pool cannot leave a dropped one out of attention)"
+        )
+    return codec
+
+
+def encode_stored(key: str, chunk: ChunkLike, codec: KVCodec | None) -> tuple[bytes, bytes]:
+    """(header bytes, rest) of `chunk` stored under `key`, dense when `codec` is None."""
+    if codec is None:
+        return encode_chunk(key, chunk)
+    data = encode_compressed(key, chunk, codec)
+    offset = parse_compressed_header(data, key).data_offset
+    return data[:offset], data[offset:]
+
+
+def through_codec(chunk: ChunkLike, codec: KVCodec) -> ChunkTensors:
+    """The chunk as a tier storing it with `codec` gives it back (host memory holds this, so
+    a request answers alike from every tier)."""
+    keys, values = [], []
+    for k, v in zip(chunk.keys, chunk.values, strict=True):
+        decoded = codec.decode(codec.encode(k, v))
+        if decoded.kept is not None:
+            raise ValueError(f"codec {codec.spec} drops tokens; chunks in tiers keep every token")
+        keys.append(decoded.keys)
+        values.append(decoded.values)
+    return ChunkTensors(
+        tuple(chunk.token_ids), tuple(keys), tuple(values), chunk.freq_scores, chunk.alpha
+    )
+
+
+def parse_stored_header(file: BinaryIO, name: str, rows_follow: bool = True) -> ChunkFileHeader:
+    """The verified header of either form (see `chunk_file.parse_header`)."""
+    first = file.read(4)
+    file.seek(0)
+    if is_compressed(first):
+        return parse_compressed_header(file, name, rows_follow).as_chunk_header()
+    return parse_header(file, name, rows_follow)
+
+
+def read_header(path: Path) -> ChunkFileHeader:
+    with open(path, "rb") as file:
+        return parse_stored_header(file, str(path))
+
+
+def read_layer_rows(
+    source: RowSource, header: ChunkFileHeader, layer: int, rows: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """K and V of `rows` (sorted; None: all) of one layer, verified, and the bytes read. A
+    compressed layer is read and decoded whole (it is smaller than the dense rows)."""
+    compressed = header.compressed
+    if compressed is None:
+        return read_rows(source, header, layer, rows)
+    decoded = decode_layer(source, compressed, layer)
+    if decoded.kept is not None:
+        raise CorruptChunkError(f"{header.key[:12]}: codec {compressed.codec} is not stored")
+    nbytes = int(compressed.layers[layer]["length"])
+    if rows is None:
+        return decoded.keys, decoded.values, nbytes
+    index = torch.tensor(list(rows), dtype=torch.long)
+    return decoded.keys[index], decoded.values[index], nbytes
+
+
+def decode_chunk(data: bytes, name: str, expected_key: str | None = None) -> ChunkTensors:
+    """A whole chunk from its stored bytes, every row or layer verified."""
+    header = parse_stored_header(io.BytesIO(data), name)
+    _check_key(header, name, expected_key)
+    return _all_rows(memoryview(data), header)
+
+
+def read_chunk(path: Path, expected_key: str | None = None) -> ChunkTensors:
+    header = read_header(path)
+    _check_key(header, str(path), expected_key)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _all_rows(fd, header)
+    finally:
+        os.close(fd)
+
+
+def _check_key(header: ChunkFileHeader, name: str, expected_key: str | None) -> None:
+    if expected_key is not None and header.key != expected_key:
+        raise CorruptChunkError(f"{name}: holds {header.key[:12]}, expected {expected_key[:12]}")
+
+
+def _all_rows(source: RowSource, header: ChunkFileHeader) -> ChunkTensors:
+    layers = [read_layer_rows(source, header, layer)[:2] for layer in range(header.num_layers)]
+    return ChunkTensors(
+        token_ids=header.token_ids,
+        keys=tuple(k for k, _ in layers),
+        values=tuple(v for _, v in layers),
+        freq_scores=header.freq_scores.clone(),
+        alpha=header.alpha,
+    )
