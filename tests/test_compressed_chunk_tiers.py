@@ -12,15 +12,26 @@ import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.rope import RopeSpec
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
+    ChunkRegistry,
+    HostChunk,
+    host_chunk,
+    readable,
+    summarize,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import MooncakeMaster, running_master
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_file import CHUNK_SUFFIX, CorruptChunkError
-from sglang_hicache_ext.tiers.chunk_forms import read_header, stored_codec, through_codec
+from sglang_hicache_ext.tiers.chunk_file import CHUNK_SUFFIX, ChunkTensors, CorruptChunkError
+from sglang_hicache_ext.tiers.chunk_forms import (
+    StoredBlob,
+    read_header,
+    stored_codec,
+    through_codec,
+)
 from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore
-from sglang_hicache_ext.tiers.chunk_tiers import ChunkSummary, TieredChunkStore
+from sglang_hicache_ext.tiers.chunk_tiers import TieredChunkStore
 from sglang_hicache_ext.tiers.mooncake_store import MooncakeConfig, MooncakeObjectStore
 from tests.test_chunk_disk import make_chunk
 
@@ -30,22 +41,26 @@ DTYPES = [torch.float32, torch.bfloat16]
 # scales weigh more than on a real model's 64-dim heads) over its dense bytes.
 RATIO_BOUND = {("int8", torch.float32): 0.33, ("int4", torch.float32): 0.2}
 RATIO_BOUND |= {("int8", torch.bfloat16): 0.66, ("int4", torch.bfloat16): 0.4}
+METADATA = 0.05  # a whole stored chunk also holds its token ids and frequency scores
 
 
-def _tiered(tmp_path: Path, host_chunks: int = 10) -> TieredChunkStore[PrecomputedChunk]:
+def _tiered(tmp_path: Path, host_bytes: int) -> TieredChunkStore[HostChunk]:
+    """The tiers as the server's registry builds them."""
     return TieredChunkStore(
-        ChunkStore(host_chunks * make_chunk(0, tokens=128).nbytes),
-        ChunkDiskTier(tmp_path, 10**8),
-        lambda tensors: PrecomputedChunk(*tensors),
-        lambda chunk: ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes),
-        stream=StreamedChunk,
+        ChunkStore(host_bytes), ChunkDiskTier(tmp_path, 10**8), host_chunk, summarize, StreamedChunk
     )
 
 
-def _equal(a: PrecomputedChunk, b: object) -> bool:
-    b = b if isinstance(b, PrecomputedChunk) else PrecomputedChunk(*b)  # type: ignore[misc]
-    pairs = zip((*a.keys, *a.values, a.freq_scores), (*b.keys, *b.values, b.freq_scores), strict=True)
-    return a.token_ids == b.token_ids and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs)
+def _equal(expected: PrecomputedChunk, got: object) -> bool:
+    """`got` (a host chunk or rows read back) holds exactly `expected`'s tokens, scores and rows."""
+    if isinstance(got, ChunkTensors):
+        got = PrecomputedChunk(*got)
+    chunk = readable(got) if isinstance(got, HostChunk) else got  # type: ignore[arg-type]
+    every = torch.arange(expected.num_tokens)
+    rows = [chunk.rows(layer, every) for layer in range(expected.num_layers)]
+    pairs = zip((*expected.keys, *expected.values), (*(k for k, _ in rows), *(v for _, v in rows)), strict=True)
+    same_rows = all(x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs)
+    return chunk.token_ids == expected.token_ids and same_rows and torch.equal(chunk.freq_scores, expected.freq_scores)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,14 +68,18 @@ def _equal(a: PrecomputedChunk, b: object) -> bool:
 def test_every_tier_gives_back_what_the_codec_decodes_to(
     tmp_path: Path, spec: str, dtype: torch.dtype
 ) -> None:
-    store = _tiered(tmp_path, host_chunks=1)
     chunk, other = make_chunk(1, tokens=128, dtype=dtype), make_chunk(2, tokens=128, dtype=dtype)
     codec = stored_codec(spec)
     expected = PrecomputedChunk(*through_codec(chunk, codec))
     assert not _equal(expected, chunk)  # lossy: host memory must not keep the original
-    for item in (chunk, other):
-        assert store.put(item.content_hash, item, codec) == []
+    store = _tiered(tmp_path, host_bytes=int(1.5 * RATIO_BOUND[spec, dtype] * chunk.nbytes))
+    store.put(chunk.content_hash, chunk, codec)
     key = chunk.content_hash
+    held = store.host.peek(key)  # the compressed bytes, counted as such by the host budget
+    assert isinstance(held, StoredBlob)
+    assert held.nbytes <= (RATIO_BOUND[spec, dtype] + METADATA) * chunk.nbytes
+    assert _equal(expected, held)
+    assert store.put(other.content_hash, other, codec) == []
     assert store.tiers_of(key) == ["disk"]  # demoted by the second chunk
     (path,) = tmp_path.glob(f"{key}{CHUNK_SUFFIX}")
     header = read_header(path)
@@ -79,14 +98,15 @@ def test_every_tier_gives_back_what_the_codec_decodes_to(
     assert pinned.chunk.stats.bytes_read <= RATIO_BOUND[spec, dtype] * pinned.chunk.dense_bytes
     store.unpin(key)
     store.wait_for_promotions()
-    promoted, _ = store.pin(key)  # promoted to host memory from the compressed file
-    assert promoted is not None and promoted.tier == "host" and _equal(expected, promoted.chunk)
+    promoted, _ = store.pin(key)  # promoted to host memory: the compressed file's bytes
+    assert promoted is not None and promoted.tier == "host"
+    assert isinstance(promoted.chunk, StoredBlob) and _equal(expected, promoted.chunk)
     store.unpin(key)
 
 
 def test_a_damaged_compressed_layer_is_dropped_counted_and_never_served(tmp_path: Path) -> None:
-    store = _tiered(tmp_path, host_chunks=1)
     chunk, other = make_chunk(3, tokens=128), make_chunk(4, tokens=128)
+    store = _tiered(tmp_path, host_bytes=chunk.nbytes // 3)
     for item in (chunk, other):
         store.put(item.content_hash, item, stored_codec("int8"))
     key = chunk.content_hash

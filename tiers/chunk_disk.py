@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-
 from sglang_hicache_ext.tiers.chunk_file import (
     CHUNK_SUFFIX,
     ChunkFileHeader,
@@ -36,8 +34,10 @@ from sglang_hicache_ext.tiers.chunk_file import (
     CorruptChunkError,
 )
 from sglang_hicache_ext.tiers.chunk_forms import (
+    LayerRows,
+    StoredBlob,
     encode_stored,
-    read_chunk,
+    load_stored,
     read_header,
     read_layer_rows,
 )
@@ -65,14 +65,6 @@ class _Entry(NamedTuple):
     path: Path
     nbytes: int
     last_access: float
-
-
-class LayerRows(NamedTuple):
-    """Rows of one layer read from disk."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    bytes_read: int
 
 
 class ChunkReader:
@@ -162,7 +154,10 @@ class ChunkDiskTier:
     def put(self, key: str, chunk: ChunkLike, codec: KVCodec | None = None) -> bool:
         """Store `chunk` under `key` (compressed by `codec` if given); False (logged, counted)
         if it cannot be written."""
-        header, rows = encode_stored(key, chunk, codec)
+        return self.put_stored(key, *encode_stored(key, chunk, codec))
+
+    def put_stored(self, key: str, header: bytes, rows: bytes) -> bool:
+        """`put` of a chunk already encoded (`chunk_forms.encode_stored`)."""
         size = len(header) + len(rows)
         if size > self.capacity_bytes:
             self._failed_write(key, f"{size} bytes exceed the tier's {self.capacity_bytes}")
@@ -186,14 +181,15 @@ class ChunkDiskTier:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def get(self, key: str) -> ChunkTensors | None:
-        """The whole chunk, every row verified; None if absent or corrupt (then dropped)."""
+    def get(self, key: str) -> ChunkTensors | StoredBlob | None:
+        """The whole chunk, every row (or compressed layer) verified; None if absent or corrupt
+        (then dropped)."""
         entry = self._touch(key)
         if entry is None:
             return None
         began = time.perf_counter()
         try:
-            chunk = read_chunk(entry.path, expected_key=key)
+            chunk = load_stored(entry.path.read_bytes(), str(entry.path), expected_key=key)
         except (CorruptChunkError, OSError) as error:
             self._drop_corrupt(key, error)
             return None

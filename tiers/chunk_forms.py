@@ -3,6 +3,10 @@
 (`codecs/compressed_file.py`: a layer read whole, checked, then decoded). The disk and shared
 tiers store and read through these functions, so either form works on every tier.
 
+A compressed chunk is held as its stored bytes (`StoredBlob`) in host memory too: the host
+budget counts compressed bytes (more chunks fit), and a request decodes the layers it needs
+(`BlobReader`), as it does from a disk file. Every tier therefore gives back the same rows.
+
 Only codecs that decode to every token (int8, int4) are stored in tiers: a request reuses a
 chunk's rows at any token, and SGLang's KV pool has no per-token mask to leave a dropped token
 out of attention.
@@ -14,7 +18,7 @@ import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import torch
 
@@ -30,6 +34,7 @@ from sglang_hicache_ext.tiers.chunk_file import (
 )
 from sglang_hicache_ext.tiers.codecs.base import KVCodec
 from sglang_hicache_ext.tiers.codecs.compressed_file import (
+    check_layer_blob,
     decode_layer,
     encode_compressed,
     is_compressed,
@@ -37,6 +42,41 @@ from sglang_hicache_ext.tiers.codecs.compressed_file import (
 )
 from sglang_hicache_ext.tiers.codecs.dropping import TokenDroppingCodec
 from sglang_hicache_ext.tiers.codecs.parse import QUANTIZED, parse_codec
+
+
+class LayerRows(NamedTuple):
+    """Rows of one layer as a tier read them."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bytes_read: int  # read from the medium (0 from memory)
+
+
+class StoredBlob(NamedTuple):
+    """A compressed chunk as stored, every layer verified: what host memory holds of it."""
+
+    header: ChunkFileHeader
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+class BlobReader:
+    """Layers of a `StoredBlob` decoded on demand (the `ChunkReader` interface, from memory)."""
+
+    def __init__(self, blob: StoredBlob) -> None:
+        self.key = blob.header.key
+        self.header = blob.header
+        self._data = memoryview(blob.data)
+
+    def read(self, layer: int, rows: Sequence[int] | None) -> LayerRows:
+        keys, values, _ = read_layer_rows(self._data, self.header, layer, rows)
+        return LayerRows(keys, values, 0)
+
+    def close(self) -> None:
+        pass
 
 
 def stored_codec(spec: str) -> KVCodec:
@@ -63,8 +103,7 @@ def encode_stored(key: str, chunk: ChunkLike, codec: KVCodec | None) -> tuple[by
 
 
 def through_codec(chunk: ChunkLike, codec: KVCodec) -> ChunkTensors:
-    """The chunk as a tier storing it with `codec` gives it back (host memory holds this, so
-    a request answers alike from every tier)."""
+    """The rows a tier storing the chunk with `codec` gives back (what every request reads)."""
     keys, values = [], []
     for k, v in zip(chunk.keys, chunk.values, strict=True):
         decoded = codec.decode(codec.encode(k, v))
@@ -114,6 +153,21 @@ def decode_chunk(data: bytes, name: str, expected_key: str | None = None) -> Chu
     header = parse_stored_header(io.BytesIO(data), name)
     _check_key(header, name, expected_key)
     return _all_rows(memoryview(data), header)
+
+
+def load_stored(data: bytes, name: str, expected_key: str) -> ChunkTensors | StoredBlob:
+    """What host memory holds of a chunk read whole from a tier: dense rows, or the compressed
+    bytes with every layer verified; CorruptChunkError if anything fails its checks."""
+    header = parse_stored_header(io.BytesIO(data), name)
+    _check_key(header, name, expected_key)
+    compressed = header.compressed
+    if compressed is None:
+        return _all_rows(memoryview(data), header)
+    view = memoryview(data)
+    for layer, entry in enumerate(compressed.layers):  # now: nothing corrupt is kept in memory
+        begin = header.data_offset + int(entry["offset"])
+        check_layer_blob(view[begin : begin + int(entry["length"])], compressed, layer)
+    return StoredBlob(header, data)
 
 
 def read_chunk(path: Path, expected_key: str | None = None) -> ChunkTensors:

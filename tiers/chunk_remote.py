@@ -31,7 +31,12 @@ from sglang_hicache_ext.tiers.chunk_file import (
     ChunkTensors,
     CorruptChunkError,
 )
-from sglang_hicache_ext.tiers.chunk_forms import decode_chunk, encode_stored, parse_stored_header
+from sglang_hicache_ext.tiers.chunk_forms import (
+    StoredBlob,
+    encode_stored,
+    load_stored,
+    parse_stored_header,
+)
 from sglang_hicache_ext.tiers.codecs.base import KVCodec
 from sglang_hicache_ext.tiers.mooncake_store import ObjectStore, RemoteStoreError
 
@@ -92,7 +97,10 @@ class ChunkRemoteTier:
     def put(self, key: str, chunk: ChunkLike, codec: KVCodec | None = None) -> bool:
         """Store `chunk` under `key` (compressed by `codec` if given); False (logged, counted)
         if the store does not take it."""
-        header, rows = encode_stored(key, chunk, codec)
+        return self.put_stored(key, *encode_stored(key, chunk, codec))
+
+    def put_stored(self, key: str, header: bytes, rows: bytes) -> bool:
+        """`put` of a chunk already encoded (`chunk_forms.encode_stored`)."""
         try:
             self._check_reachable()
             self.store.put(self.prefix + key, header + rows)
@@ -148,8 +156,9 @@ class ChunkRemoteTier:
             self._counts["discovered"] += 1
         return header
 
-    def get(self, key: str) -> ChunkTensors | None:
-        """The whole chunk, every row verified; None if absent, unreachable or corrupt."""
+    def get(self, key: str) -> ChunkTensors | StoredBlob | None:
+        """The whole chunk, every row (or compressed layer) verified; None if absent,
+        unreachable or corrupt."""
         if key not in self:
             return None
         began = time.perf_counter()
@@ -165,7 +174,7 @@ class ChunkRemoteTier:
             self._forget(key)
             return None
         try:
-            chunk = decode_chunk(data, key, expected_key=key)
+            chunk = load_stored(data, key, expected_key=key)
         except CorruptChunkError as error:
             self._drop_corrupt(key, error)
             return None

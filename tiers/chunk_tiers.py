@@ -24,6 +24,7 @@ promotion thread may call it.
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 from collections import Counter
@@ -34,7 +35,7 @@ from typing import Any, Generic, NamedTuple
 
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier, ChunkReader
 from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkLike, ChunkTensors
-from sglang_hicache_ext.tiers.chunk_forms import through_codec
+from sglang_hicache_ext.tiers.chunk_forms import StoredBlob, encode_stored, parse_stored_header
 from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteStats, ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, ChunkStoreStats, StoreFullError, V
 from sglang_hicache_ext.tiers.codecs.base import KVCodec
@@ -62,6 +63,7 @@ class Pinned(NamedTuple):
 
     chunk: Any
     tier: str
+    streamed: bool = False  # rows read from the tier as the request needs them
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,9 @@ class TierStats:
 
 def summary_of_header(header: ChunkFileHeader) -> ChunkSummary:
     scores = header.freq_scores.numel() * header.freq_scores.element_size()
-    return ChunkSummary(
-        header.num_tokens,
-        header.num_layers,
-        header.num_layers * header.layer_bytes + scores,
-        header.codec,
-    )
+    dense = header.num_layers * header.layer_bytes + scores
+    in_memory = dense if header.compressed is None else header.stored_bytes
+    return ChunkSummary(header.num_tokens, header.num_layers, in_memory, header.codec)
 
 
 class TieredChunkStore(Generic[V]):
@@ -93,7 +92,7 @@ class TieredChunkStore(Generic[V]):
         self,
         host: ChunkStore[V],
         disk: ChunkDiskTier | None,
-        rebuild: Callable[[ChunkTensors], V],
+        rebuild: Callable[[ChunkTensors | StoredBlob], V],
         summarize: Callable[[V], ChunkSummary],
         stream: Callable[[ChunkReader], Any] | None = None,
         remote: ChunkRemoteTier | None = None,
@@ -174,7 +173,7 @@ class TieredChunkStore(Generic[V]):
         tensors = self._read_below(key)
         return None if tensors is None else self._rebuild(tensors)
 
-    def _read_below(self, key: str) -> ChunkTensors | None:
+    def _read_below(self, key: str) -> ChunkTensors | StoredBlob | None:
         tensors = self.disk.get(key) if self.disk is not None and key in self.disk else None
         if tensors is None and self.remote is not None:
             tensors = self.remote.get(key)
@@ -183,18 +182,20 @@ class TieredChunkStore(Generic[V]):
     # -- writes ----------------------------------------------------------------------------
 
     def put(self, key: str, chunk: V, codec: KVCodec | None = None) -> list[str]:
-        """Store `chunk` in every tier (compressed by `codec` in the lower ones: host memory
-        holds what they decode to, `chunk_forms.through_codec`); the keys no tier holds any
-        more (drop them from indexes).
+        """Store `chunk` in every tier, compressed by `codec` if given (then host memory holds
+        the compressed bytes too, so every tier gives back the same rows); the keys no tier
+        holds any more (drop them from indexes).
 
         Raises StoreFullError only when no tier took it (host memory pinned full, and no lower
         tier or every lower write failed)."""
+        header, rows = encode_stored(key, _as_chunk_like(chunk), codec)  # once for all tiers
         below = False
         for lower in (self.disk, self.remote):  # failed writes are logged and counted there
             if lower is not None:
-                below = lower.put(key, _as_chunk_like(chunk), codec) or below
-        if codec is not None:  # what the lower tiers give back, so every tier answers alike
-            chunk = self._rebuild(through_codec(_as_chunk_like(chunk), codec))
+                below = lower.put_stored(key, header, rows) or below
+        if codec is not None:
+            parsed = parse_stored_header(io.BytesIO(header), key, rows_follow=False)
+            chunk = self._rebuild(StoredBlob(parsed, header + rows))
         try:
             evicted = self.host.put(key, chunk)
         except StoreFullError:
@@ -240,7 +241,7 @@ class TieredChunkStore(Generic[V]):
                 self._count_lookup(DISK)
                 with self._lock:
                     self._loans[key] += 1
-                return Pinned(self._stream(reader), DISK), self._settle([])
+                return Pinned(self._stream(reader), DISK, streamed=True), self._settle([])
         tier = DISK
         tensors = self.disk.get(key) if self.disk is not None and on_disk else None
         if tensors is None and self.remote is not None:

@@ -158,7 +158,9 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
     streamed = [
         segment.chunk
         for segment in plan.segments
-        if isinstance(segment, ChunkSegment) and isinstance(segment.chunk, StreamedChunk)
+        if isinstance(segment, ChunkSegment)
+        and isinstance(segment.chunk, StreamedChunk)
+        and segment.chunk.from_disk
     ]
     whole = plan.fetched if plan.fetched is not None and plan.fetched.nbytes else None
     if streamed or whole is not None:

@@ -23,7 +23,6 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
-from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.setting_types import AUTO_RATIO
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
@@ -364,7 +363,7 @@ def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedS
     for match in registry.index.find(tokens):
         began = time.perf_counter()
         held = registry.pin(match.chunk_id)
-        if held is not None and held.tier != HOST and not isinstance(held.chunk, StreamedChunk):
+        if held is not None and held.tier != HOST and not held.streamed:  # fetched whole
             fetched = WholeFetches(
                 fetched.nbytes + held.chunk.nbytes,
                 fetched.seconds + time.perf_counter() - began,

@@ -30,7 +30,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedCh
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkTensors
-from sglang_hicache_ext.tiers.chunk_forms import stored_codec
+from sglang_hicache_ext.tiers.chunk_forms import BlobReader, StoredBlob, stored_codec
 from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
 from sglang_hicache_ext.tiers.chunk_tiers import (
@@ -77,11 +77,23 @@ def chunk_namespace(model_path: str, identity: str) -> str:
     return f"{name or 'model'}-{digest}"
 
 
-def _rebuild(tensors: ChunkTensors) -> PrecomputedChunk:
-    return PrecomputedChunk(*tensors)
+# What host memory holds: a dense chunk's rows, or a compressed chunk's stored bytes.
+HostChunk = PrecomputedChunk | StoredBlob
 
 
-def _summary(chunk: PrecomputedChunk) -> ChunkSummary:
+def host_chunk(stored: ChunkTensors | StoredBlob) -> HostChunk:
+    return stored if isinstance(stored, StoredBlob) else PrecomputedChunk(*stored)
+
+
+def readable(chunk: HostChunk) -> PrecomputedChunk | StreamedChunk:
+    """A host chunk as a request reads it (a compressed one decoded layer by layer)."""
+    return StreamedChunk(BlobReader(chunk)) if isinstance(chunk, StoredBlob) else chunk
+
+
+def summarize(chunk: HostChunk) -> ChunkSummary:
+    if isinstance(chunk, StoredBlob):
+        header = chunk.header
+        return ChunkSummary(header.num_tokens, header.num_layers, chunk.nbytes, header.codec)
     return ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes)
 
 
@@ -100,11 +112,11 @@ class ChunkRegistry:
         self.index = ChunkIndex()
         # Streamed: a request reads only the disk rows it reuses, layer by layer under the
         # compute; the chunk is promoted to host memory after the request, in the background.
-        self.store: TieredChunkStore[PrecomputedChunk] = TieredChunkStore(
+        self.store: TieredChunkStore[HostChunk] = TieredChunkStore(
             ChunkStore(capacity_bytes),
             disk,
-            _rebuild,
-            _summary,
+            host_chunk,
+            summarize,
             stream=StreamedChunk if stream_from_disk else None,
             remote=remote,
         )
@@ -160,7 +172,7 @@ class ChunkRegistry:
         self.forget(lost)
         if lost or (pinned is not None and pinned.tier != "host"):
             self._report_stored_bytes()
-        return pinned
+        return None if pinned is None else pinned._replace(chunk=readable(pinned.chunk))
 
     def unpin(self, chunk_id: str) -> None:
         self.store.unpin(chunk_id)
@@ -214,14 +226,15 @@ class ChunkRegistry:
             return False
         self.forget(lost)
         self._add_to_index(chunk_id, chunk.token_ids)
-        self._summaries[chunk_id] = _summary(chunk)._replace(codec=codec)
+        summary = self._summaries[chunk_id] = self.store.summary(chunk_id) or summarize(chunk)
         self.generation += 1
         self._report_stored_bytes()
         logger.info(
-            "chunk %s registered: %d tokens, %d bytes in %s",
+            "chunk %s registered: %d tokens, %d bytes (%s) in %s",
             chunk_id[:12],
             chunk.num_tokens,
-            chunk.nbytes,
+            summary.nbytes,
+            codec or "dense",
             "+".join(self.store.tiers_of(chunk_id)),
         )
         return True
@@ -252,14 +265,15 @@ class ChunkRegistry:
         return self._info(chunk_id)
 
     def _key_probe(self, chunk_id: str, layer: int, token: int) -> list[list[float]]:
-        chunk = self.store.peek(chunk_id)
-        if chunk is None:
+        stored = self.store.peek(chunk_id)
+        if stored is None:
             raise ValueError(f"unknown chunk {chunk_id[:12]}")
+        chunk = readable(stored)
         if not (0 <= layer < chunk.num_layers and 0 <= token < chunk.num_tokens):
             raise ValueError(
                 f"probe out of range: layer {layer} of {chunk.num_layers}, token {token} of {chunk.num_tokens}"
             )
-        return chunk.keys[layer][token].float().tolist()
+        return chunk.rows(layer, torch.tensor([token]))[0][0].float().tolist()
 
     def list(self) -> list[dict[str, Any]]:
         infos = (self._info(key) for key in self.store.stored_keys())

@@ -1,5 +1,8 @@
 """A chunk served from the disk tier without reading it whole: rows are read when asked for.
 
+The same class serves a compressed chunk held in host memory (`tiers.chunk_forms.BlobReader`):
+its layers are decoded when asked for, a layer ahead of the compute like disk reads.
+
 The header (tokens, frequency scores, geometry) is read when the chunk is pinned; K/V rows are
 read per layer, only those the request reuses (the executor's layer loader asks for them a
 layer ahead). Every row read is checked against its CRC; a failure raises `CorruptChunkError`
@@ -16,6 +19,7 @@ import torch
 
 from sglang_hicache_ext.fusion.chunk import ModelShape, check_geometry
 from sglang_hicache_ext.tiers.chunk_disk import ChunkReader
+from sglang_hicache_ext.tiers.chunk_forms import BlobReader
 
 
 @dataclass
@@ -37,7 +41,7 @@ class StreamedChunk:
 
     def __init__(
         self,
-        reader: ChunkReader,
+        reader: ChunkReader | BlobReader,
         start: int = 0,
         end: int | None = None,
         stats: StreamStats | None = None,
@@ -70,6 +74,16 @@ class StreamedChunk:
     @property
     def in_memory(self) -> bool:
         return False
+
+    @property
+    def from_disk(self) -> bool:
+        """False for a compressed chunk decoded from host memory (no I/O)."""
+        return isinstance(self.reader, ChunkReader)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole stored chunk (a compressed one's compressed size)."""
+        return self.reader.header.stored_bytes
 
     @property
     def dense_bytes(self) -> int:

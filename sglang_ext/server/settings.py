@@ -114,9 +114,9 @@ class ExtensionSettings(BaseModel):
     )
     chunk_codec: ChunkCodecSpec | None = Field(
         None,
-        description='Codec the disk and Mooncake tiers store chunks with: "int8" or "int4" '
-        "(KIVI-style; host memory holds what they decode to); POST /chunks \"codec\" "
-        "overrides it per chunk. Default: dense rows.",
+        description='Codec every chunk tier (host memory included) stores chunks with: "int8" '
+        'or "int4" (KIVI-style), decoded layer by layer as requests read them; POST /chunks '
+        '"codec" overrides it per chunk. Default: dense rows.',
     )
     fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
     # question_error with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B

@@ -196,10 +196,15 @@ def read_layer_blob(source: RowSource, header: CompressedHeader, layer: int) -> 
     return blob
 
 
-def decode_layer_blob(blob: bytes, header: CompressedHeader, layer: int) -> DecodedLayer:
-    entry = header.layers[layer]
-    if zlib.crc32(blob) != entry["crc"]:
+def check_layer_blob(blob: bytes | memoryview, header: CompressedHeader, layer: int) -> None:
+    """CorruptChunkError unless `blob` is layer `layer` as written (its CRC32)."""
+    if zlib.crc32(blob) != header.layers[layer]["crc"]:
         raise CorruptChunkError(f"{header.key[:12]} layer {layer}: checksum mismatch")
+
+
+def decode_layer_blob(blob: bytes, header: CompressedHeader, layer: int) -> DecodedLayer:
+    check_layer_blob(blob, header, layer)
+    entry = header.layers[layer]
     tensors = {}
     for spec in entry["tensors"]:
         dtype = _DTYPES[spec["dtype"]]
