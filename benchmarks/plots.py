@@ -7,6 +7,8 @@
   over its recompute ratios, a panel per model;
 - `ttl_hit_ratio_vs_budget.png` (docs/ttl.md), from ttl_replay.json and ttl_budget_sweep.json
   (the same benchmark at more budgets): disk hit ratio against disk bytes per TTL policy;
+- `placement.png` (docs/compression-placement.md), from placement.json: mean TTFT and mean
+  answer quality per policy (LRU with and without a fixed codec, EvicPress placement);
 - `pareto_<N>/frontier.png` (docs/simulator.md), from each `pareto_<N>/frontier.json`: drawn
   again by the Pareto search's own plot.
 
@@ -272,6 +274,34 @@ def plot_fusion_tiers(results_file: Path, out: Path) -> Path:
     return _save(figure, title, out)
 
 
+def plot_placement(results_file: Path, out: Path) -> Path | None:
+    """Mean TTFT (bars) and mean quality (labels) per placement policy, with host hit shares."""
+    if not results_file.exists():
+        return None
+    report = _load(results_file)
+    policies = report["policies"]
+    figure, axes = plt.subplots(figsize=(7.0, 4.0), dpi=DPI)
+    names = list(policies)
+    ttfts = [policies[name]["mean_ttft_s"] for name in names]
+    bars = axes.bar(names, ttfts, color=["tab:grey", "tab:blue", "tab:cyan", "tab:orange"][: len(names)])
+    for bar, name in zip(bars, names, strict=True):
+        row = policies[name]
+        hits = row["chunk_hits_by_tier"]
+        host = hits.get("host", 0) / max(1, sum(hits.values()))
+        label = f"quality {100 * row['mean_quality']:.1f}\nhost hits {100 * host:.0f} %"
+        axes.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                      ha="center", va="bottom", fontsize=8)
+    axes.set_ylabel("mean TTFT (s)")
+    axes.set_ylim(0, max(ttfts) * 1.3)
+    axes.grid(axis="y", alpha=0.3)
+    title = (
+        f"{report['contexts']} HotpotQA contexts, Zipf {report['skew']}, host memory "
+        f"{100 * report['dram_fraction']:.0f} % of dense, {report['model']}\n"
+        f"(benchmarks/results/{results_file.name})"
+    )
+    return _save(figure, title, out)
+
+
 def _save(figure: Figure, title: str, out: Path) -> Path:
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
@@ -289,6 +319,8 @@ def main() -> int:
         plot_fusion_quality(results, results / "fusion_quality_vs_ttft.png"),
         plot_ttl_budgets(results, results / "ttl_hit_ratio_vs_budget.png"),
         plot_fusion_retention(results, results / "fusion_retention_vs_ttft.png"),
+        plot_placement(results / "placement.json", results / "placement.png"),
+        plot_placement(results / "placement_dram12.json", results / "placement_dram12.png"),
         *(
             replot_frontier(json_file.parent)
             for json_file in sorted(results.glob(f"*/{JSON_NAME}"))

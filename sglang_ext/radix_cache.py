@@ -190,7 +190,14 @@ def _chunk_registry(
     remote = None
     if "mooncake" in settings.chunk_tier_names:
         remote = _mooncake_tier(settings, ctx)
-    return ChunkRegistry(settings.chunk_store_bytes, rope, disk=disk, remote=remote), ""
+    registry = ChunkRegistry(
+        settings.chunk_store_bytes,
+        rope,
+        disk=disk,
+        remote=remote,
+        promote_on_read=settings.chunk_promote_on_read,
+    )
+    return registry, ""
 
 
 def _mooncake_tier(settings: ExtensionSettings, ctx: TreeCacheBuildContext) -> ChunkRemoteTier:

@@ -231,3 +231,42 @@ def test_models_get_their_own_chunk_directories() -> None:
     assert base.startswith("Qwen2.5-0.5B-")
     assert base != chunk_namespace("/models/Qwen2.5-0.5B", "config-b")  # other dtype, config
     assert base != chunk_namespace("/other/Qwen2.5-0.5B", "config-a")  # other weights
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_without_promotion_reads_leave_host_memory_as_placed(tmp_path: Path, streamed: bool) -> None:
+    store = TieredChunkStore(
+        ChunkStore(CHUNK_BYTES),
+        ChunkDiskTier(tmp_path, 100 * (CHUNK_BYTES + 4096)),
+        lambda tensors: PrecomputedChunk(*tensors),
+        lambda chunk: ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes),
+        stream=StreamedChunk if streamed else None,
+        promote_on_read=False,
+    )
+    placed_below, placed_in_host = make_chunk(1), make_chunk(2)
+    for chunk in (placed_below, placed_in_host):
+        store.put(chunk.content_hash, chunk)
+    key = placed_below.content_hash
+    for _ in range(3):
+        pinned, lost = store.pin(key)
+        assert pinned is not None and pinned.tier == "disk" and lost == []
+        assert pinned.streamed == streamed and _same(_whole(pinned.chunk), placed_below)
+        store.unpin(key)
+        store.wait_for_promotions()
+    assert store.tiers_of(key) == ["disk"]
+    assert store.tiers_of(placed_in_host.content_hash) == ["host", "disk"]
+    assert store.stats().promotions == 0 and store.stats().lookups["disk"] == 3
+
+
+def _whole(chunk: object) -> PrecomputedChunk:
+    if isinstance(chunk, PrecomputedChunk):
+        return chunk
+    every = torch.arange(chunk.num_tokens)  # type: ignore[attr-defined]
+    rows = [chunk.rows(layer, every) for layer in range(chunk.num_layers)]  # type: ignore[attr-defined]
+    return PrecomputedChunk(
+        chunk.token_ids,  # type: ignore[attr-defined]
+        tuple(k for k, _ in rows),
+        tuple(v for _, v in rows),
+        chunk.freq_scores,  # type: ignore[attr-defined]
+        chunk.alpha,  # type: ignore[attr-defined]
+    )

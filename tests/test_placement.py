@@ -107,3 +107,24 @@ def test_greedy_matches_the_exhaustive_optimum_on_small_cases() -> None:
 def test_a_context_without_the_recompute_option_is_refused() -> None:
     with pytest.raises(ValueError, match="must include recomputing"):
         ContextProfile("x", 1.0, (Option("dram", "none", 1, 1.0, 0.1),))
+
+
+def test_context_options_cost_the_move_off_each_tier() -> None:
+    from sglang_hicache_ext.tuning.placement.options import ContextCosts, TierSpeed, context_profile
+
+    costs = ContextCosts(
+        stored_bytes={"none": 100 * MB, "int8": 27 * MB},
+        quality={"none": 1.0, "int8": 0.97},
+        fused_s=0.4,
+        full_s=2.5,
+    )
+    tiers = [TierSpeed("host", None), TierSpeed("disk", 50 * MB)]
+    profile = context_profile("c", 3.0, costs, tiers)
+    ttft = {(o.tier, o.codec): o.ttft_s for o in profile.options}
+    assert ttft == pytest.approx(
+        {(None, "none"): 2.5, ("host", "none"): 0.4, ("host", "int8"): 0.4,
+         ("disk", "none"): 0.4 + 2.0, ("disk", "int8"): 0.4 + 0.54}
+    )
+    assert {(o.codec, o.quality) for o in profile.options if o.tier == "disk"} == {("none", 1.0), ("int8", 0.97)}
+    with pytest.raises(ValueError, match="dense included"):
+        context_profile("c", 1.0, ContextCosts({"int8": 1}, {"int8": 1.0}, 0.1, 1.0), tiers)

@@ -5,8 +5,8 @@ bytes on disk, so compressed chunks let the tier hold more, and reading them mov
 
 Chunks survive a restart: opening the directory indexes every chunk file whose header verifies
 (stray temp files of an interrupted write are removed, files that fail their checks are deleted
-and counted), so a chunk registered before is found again by its key. Row checksums are checked
-on every read, dense or sparse; a chunk that fails is deleted, counted and reported as missing,
+and counted), so a chunk registered before is found again by its key. Checksums (per row, or per
+layer of a compressed chunk) are checked on every read, dense or sparse; a chunk that fails is deleted, counted and reported as missing,
 never returned. A write that fails (disk full, I/O error) is logged and counted and leaves the
 tier as it was: the caller keeps the chunk in memory only.
 

@@ -96,8 +96,12 @@ class TieredChunkStore(Generic[V]):
         summarize: Callable[[V], ChunkSummary],
         stream: Callable[[ChunkReader], Any] | None = None,
         remote: ChunkRemoteTier | None = None,
+        promote_on_read: bool = True,
     ) -> None:
         self.host = host
+        # False: a chunk read from a lower tier stays there (a placement, not the LRU, decides
+        # what host memory holds).
+        self.promote_on_read = promote_on_read
         self.disk = disk
         self.remote = remote
         self._rebuild = rebuild  # tiers do not import fusion: the owner turns rows into chunks
@@ -252,10 +256,12 @@ class TieredChunkStore(Generic[V]):
         chunk = self._rebuild(tensors)
         self._count_lookup(tier)
         try:
+            if not self.promote_on_read:
+                raise StoreFullError("not promoted")  # handled alike: a loan
             evicted = self.host.put(key, chunk)
             self.host.pin(key)
             self._add("promotions")
-        except StoreFullError:  # host memory pinned full: the request holds the only copy
+        except StoreFullError:  # host memory pinned full (or no promotion): a loan
             evicted = []
             with self._lock:
                 self._loans[key] += 1
@@ -268,7 +274,7 @@ class TieredChunkStore(Generic[V]):
                 self._loans[key] -= 1
         if not loaned:
             self.host.unpin(key)
-        elif self._stream is not None:
+        elif self._stream is not None and self.promote_on_read:
             self._promote_later(key)
 
     def promote(self, key: str) -> bool:

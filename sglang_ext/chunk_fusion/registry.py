@@ -108,6 +108,7 @@ class ChunkRegistry:
         disk: ChunkDiskTier | None = None,
         stream_from_disk: bool = True,
         remote: ChunkRemoteTier | None = None,
+        promote_on_read: bool = True,
     ) -> None:
         self.index = ChunkIndex()
         # Streamed: a request reads only the disk rows it reuses, layer by layer under the
@@ -119,6 +120,7 @@ class ChunkRegistry:
             summarize,
             stream=StreamedChunk if stream_from_disk else None,
             remote=remote,
+            promote_on_read=promote_on_read,
         )
         self._rope = rope
         self._alpha = alpha

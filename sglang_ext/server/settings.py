@@ -118,6 +118,11 @@ class ExtensionSettings(BaseModel):
         'or "int4" (KIVI-style), decoded layer by layer as requests read them; POST /chunks '
         '"codec" overrides it per chunk. Default: dense rows.',
     )
+    chunk_promote_on_read: bool = Field(
+        True,
+        description="Put a chunk read from disk or Mooncake into host memory (LRU); false keeps "
+        "host memory to the chunks registered into it (a placement decides what it holds).",
+    )
     fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
     # question_error with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B
     # (teacher-forced KL gap closed 0.44 vs a3 0.15, 200 HotpotQA questions, docs/fusion-quality.md)
