@@ -15,6 +15,7 @@ import requests
 
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 from sglang_hicache_ext.tiers.chunk_forms import read_header
+from tests.test_server_mooncake import _normal
 from tests.test_server_restart import _chunks, _fused
 
 pytestmark = pytest.mark.server
@@ -30,16 +31,6 @@ DAMAGED = "Survey bogs: " + " ".join(f"the bog {i} was drained in {1800 + i}." f
 
 def _register(url: str, **body: object) -> requests.Response:
     return requests.post(url + "/chunks", json=body, timeout=120)
-
-
-def _normal(url: str, text: str) -> list[int]:
-    response = requests.post(
-        url + "/generate",
-        json={"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
-        timeout=300,
-    )
-    assert response.status_code == 200, response.text
-    return response.json()["output_ids"]
 
 
 def _flush(url: str) -> None:

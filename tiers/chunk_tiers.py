@@ -54,7 +54,7 @@ class ChunkSummary(NamedTuple):
     num_tokens: int
     num_layers: int
     nbytes: int  # bytes of its K, V and scores in memory
-    codec: str | None = None  # how lower tiers store it (None: dense rows)
+    codec: str | None = None  # how every tier stores it (None: dense rows)
 
 
 class Pinned(NamedTuple):

@@ -43,7 +43,7 @@ from sglang_hicache_ext.tiers.chunk_tiers import (
 logger = logging.getLogger(__name__)
 
 REGISTER_PARAM = "hicache_ext_register_chunk"
-CODEC_PARAM = "hicache_ext_chunk_codec"  # with REGISTER_PARAM: the codec lower tiers store it with
+CODEC_PARAM = "hicache_ext_chunk_codec"  # with REGISTER_PARAM: the codec every tier stores it with
 CONTROL_PREFIX = "hicache_ext."
 
 # Set by `POST /chunks` around its own prefill request. A request carrying REGISTER_PARAM
@@ -188,7 +188,7 @@ class ChunkRegistry:
         codec: str | None = None,
     ) -> bool:
         """Store the chunk whose K/V sit at `slots` (positions 0..n-1) of `kv_pool`, compressed
-        by `codec` in the lower tiers."""
+        by `codec` (on every tier) when given."""
         if chunk_id != chunk_hash(token_ids):
             self.failed_captures += 1
             logger.error("chunk registration %s does not match its tokens; ignored", chunk_id[:12])
@@ -217,8 +217,9 @@ class ChunkRegistry:
         return self.add(chunk, codec)
 
     def add(self, chunk: PrecomputedChunk, codec: str | None = None) -> bool:
-        """Store and index a precomputed chunk (written through to disk when there is one,
-        compressed by `codec` there); False (logged, counted) when no tier could take it."""
+        """Store and index a precomputed chunk (written through to disk when there is one;
+        compressed by `codec` on every tier when given); False (logged, counted) when no tier
+        could take it."""
         chunk_id = chunk.content_hash
         try:
             lost = self.store.put(chunk_id, chunk, None if codec is None else stored_codec(codec))
@@ -253,7 +254,7 @@ class ChunkRegistry:
             "num_layers": summary.num_layers,
             "tier": tiers[0],  # where a request would load it from
             "tiers": tiers,
-            "codec": summary.codec,  # how the lower tiers store it; None: dense rows
+            "codec": summary.codec,  # how every tier stores it; None: dense rows
         }
 
     def describe(self, chunk_id: str) -> dict[str, Any] | None:

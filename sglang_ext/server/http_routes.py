@@ -199,8 +199,8 @@ async def _chunk_token_ids(body: Any, manager: Any, max_tokens: int, bound: str)
 
 
 def _chunk_codec(body: dict[str, Any], settings: ExtensionSettings) -> str | None:
-    """The codec the lower tiers store the chunk with: the body's "codec" (null: dense rows),
-    else the setting chunk_codec."""
+    """The codec every tier stores the chunk with: the body's "codec" (null: dense rows), else
+    the setting chunk_codec."""
     if "codec" not in body:
         return settings.chunk_codec
     codec = body["codec"]
