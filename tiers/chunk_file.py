@@ -164,19 +164,25 @@ def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
 RowSource = int | bytes | memoryview
 
 
+def read_metadata(file: BinaryIO, name: str, magic: bytes, version: int, what: str) -> bytes:
+    """The metadata block after the fixed part (magic, version, length, CRC32), verified."""
+    fixed = file.read(_FIXED.size)
+    if len(fixed) != _FIXED.size:
+        raise CorruptChunkError(f"{name}: truncated header")
+    found_magic, found_version, meta_len, meta_crc = _FIXED.unpack(fixed)
+    if found_magic != magic or found_version != version:
+        raise CorruptChunkError(f"{name}: not {what} (bad magic or version)")
+    meta_bytes = file.read(meta_len)
+    if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
+        raise CorruptChunkError(f"{name}: metadata checksum mismatch")
+    return meta_bytes
+
+
 def parse_header(file: BinaryIO, name: str, rows_follow: bool = True) -> ChunkFileHeader:
     """Parse and verify the header of a chunk file (or of its bytes). With `rows_follow` the
     rows must follow it to the exact length; without, `file` holds the header alone (a remote
     store keeps a copy of it apart, to index a chunk without fetching its rows)."""
-    fixed = file.read(_FIXED.size)
-    if len(fixed) != _FIXED.size:
-        raise CorruptChunkError(f"{name}: truncated header")
-    magic, version, meta_len, meta_crc = _FIXED.unpack(fixed)
-    if magic != MAGIC or version != VERSION:
-        raise CorruptChunkError(f"{name}: not a chunk file (bad magic or version)")
-    meta_bytes = file.read(meta_len)
-    if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
-        raise CorruptChunkError(f"{name}: metadata checksum mismatch")
+    meta_bytes = read_metadata(file, name, MAGIC, VERSION, "a chunk file")
     try:
         meta = json.loads(meta_bytes)
         dtype = _DTYPES[meta["dtype"]]

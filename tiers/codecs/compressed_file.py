@@ -31,6 +31,7 @@ from sglang_hicache_ext.tiers.chunk_file import (
     ChunkLike,
     CorruptChunkError,
     RowSource,
+    read_metadata,
     tensor_bytes,
 )
 from sglang_hicache_ext.tiers.codecs.base import CompressedLayer, DecodedLayer, KVCodec
@@ -140,15 +141,7 @@ def parse_compressed_header(
     With `rows_follow` the layer blobs must follow to the exact length; without, `data` is the
     header alone (a remote store keeps it apart, to index a chunk without fetching it)."""
     file = io.BytesIO(bytes(data)) if isinstance(data, bytes | memoryview) else data
-    fixed = file.read(_FIXED.size)
-    if len(fixed) != _FIXED.size:
-        raise CorruptChunkError(f"{name}: truncated header")
-    magic, version, meta_len, meta_crc = _FIXED.unpack(fixed)
-    if magic != MAGIC or version != VERSION:
-        raise CorruptChunkError(f"{name}: not a compressed chunk (bad magic or version)")
-    meta_bytes = file.read(meta_len)
-    if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
-        raise CorruptChunkError(f"{name}: metadata checksum mismatch")
+    meta_bytes = read_metadata(file, name, MAGIC, VERSION, "a compressed chunk")
     try:
         meta = json.loads(meta_bytes)
         n, layers = len(meta["token_ids"]), meta["layers"]
@@ -170,7 +163,7 @@ def parse_compressed_header(
         alpha=float(meta["alpha"]),
         freq_scores=torch.frombuffer(bytearray(scores), dtype=torch.float32).reshape(len(layers), n),
         layers=tuple(layers),
-        data_offset=_FIXED.size + meta_len + len(scores),
+        data_offset=_FIXED.size + len(meta_bytes) + len(scores),
     )
     file.seek(0, os.SEEK_END)
     if rows_follow and file.tell() != header.stored_bytes:
