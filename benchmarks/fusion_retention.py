@@ -22,8 +22,11 @@ reuse's KL it closes (`kl_gap_closed`, also with a bootstrap interval), median p
 -> benchmarks/results/fusion_retention_<model>.json (rewritten after every question).
 A method is `full`, `reuse`, or `<selector>[+sink<N>]@<ratio>`; `default` is the server's default
 selector; `<method>#<codec>` (e.g. `default@0.15#int8`) runs it on chunks stored through a codec
-(`tiers/codecs`: int8, int4). `--resume` adds missing questions and methods to an earlier file
-(the full prefill's answer must reproduce exactly).
+(`tiers/codecs`: int8, int4); `<method>:keep<C>` (e.g. `default@0.15:keep0.25`) decodes with
+only C of the prompt's tokens kept per layer and head after the prefill (decode-time eviction,
+`fusion/decode_eviction.py`). `--min-prompt-tokens N` pads every prompt with paragraphs of the
+other sampled questions (also chunks) until it has N tokens. `--resume` adds missing questions
+and methods to an earlier file (the full prefill's answer must reproduce exactly).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,13 @@ from scipy.stats import bootstrap
 from tqdm import tqdm
 
 from benchmarks.fusion_quality import chatml_prompt
+from benchmarks.retention_methods import (
+    DEFAULT_SELECTOR,
+    DEFAULT_SINK_TOKENS,
+    parse_method,
+    split_codec,
+    split_keep,
+)
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_answer
 from sglang_hicache_ext.evaluation.fused_answers import (
@@ -57,11 +68,9 @@ from sglang_hicache_ext.fusion import make_selector, precompute_chunk
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.fusion.request import Segment
-from sglang_hicache_ext.fusion.selectors import Selector
+from sglang_hicache_ext.fusion.request import Segment, build_layout
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 from sglang_hicache_ext.tiers.chunk_forms import stored_codec
 from sglang_hicache_ext.tiers.chunk_forms import through_codec as stored_through_codec
 from sglang_hicache_ext.tuning.ratio.quality_floor import (
@@ -78,8 +87,6 @@ PREPARE = {"qwen": "make models-qwen", "smollm2": "make models"}
 ANSWER_TOKENS = 16
 SEED = 2026  # question sample: the same questions for every model and method
 ANSWERED_F1 = 0.5  # a question counts as answered from this token F1 on
-DEFAULT_SELECTOR = ExtensionSettings().fusion_selector
-DEFAULT_SINK_TOKENS = ExtensionSettings().fusion_sink_tokens
 DTYPES = ("float32", "bfloat16")
 
 
@@ -90,6 +97,23 @@ def load_model(name: str, dtype: torch.dtype) -> tuple[Any, HFCausalLMAdapter]:
     if path is None:
         raise SystemExit(f"{MODELS[name]} is not prepared: run `{PREPARE[name]}`")
     return AutoTokenizer.from_pretrained(path), HFCausalLMAdapter.from_pretrained(str(path), dtype)
+
+
+def padded(
+    example: HotpotQAExample, others: list[HotpotQAExample], tokenizer: Any, min_tokens: int
+) -> HotpotQAExample:
+    """The example with paragraphs of `others` added (drawn by its qid) until its prompt has
+    `min_tokens` tokens: a long RAG prompt whose extra documents do not answer the question."""
+    if not min_tokens:
+        return example
+    pool = [doc for other in others if other.qid != example.qid for doc in other.documents]
+    extra = random.Random(example.qid).sample(pool, len(pool))
+    documents = list(example.documents)
+    while len(tokenizer.encode(chatml_prompt(documents, example.question))) < min_tokens:
+        if not extra:
+            raise SystemExit(f"too few paragraphs to pad {example.qid} to {min_tokens} tokens")
+        documents.append(extra.pop())
+    return replace(example, documents=tuple(documents))
 
 
 def question_segments(
@@ -116,22 +140,6 @@ def through_codec(chunk: PrecomputedChunk, spec: str) -> PrecomputedChunk:
         return PrecomputedChunk(*stored_through_codec(chunk, stored_codec(spec)))
     except ValueError as err:
         raise SystemExit(str(err)) from None
-
-
-def split_codec(method: str) -> tuple[str, str | None]:
-    """`<method>#<codec>` -> (method, codec); the codec is None for uncompressed chunks."""
-    name, sep, codec = method.partition("#")
-    return name, codec if sep else None
-
-
-def parse_method(method: str) -> Selector:
-    if method in ("full", "reuse"):
-        return make_selector(method, 1.0 if method == "full" else 0.0)
-    name, _, ratio = method.partition("@")
-    name, plus, sinks = name.partition("+sink")
-    if name == "default":  # the server's default: its selector and, unless given, its sinks
-        name, sinks = DEFAULT_SELECTOR, sinks if plus else str(DEFAULT_SINK_TOKENS)
-    return make_selector(name, float(ratio), sink_tokens=int(sinks or 0))
 
 
 def measure(
@@ -225,7 +233,7 @@ def ratio_curve(summary: dict[str, dict[str, Any]], selector: str) -> tuple[Curv
     curve = []
     for method, values in summary.items():
         name, _, ratio = method.partition("@")
-        if name == selector:
+        if name == selector and ratio.replace(".", "", 1).isdigit():  # no codec, no eviction
             low, high = values["retention_ci95"]
             curve.append(
                 CurvePoint(float(ratio), values["retention"], (low, high), values["questions"])
@@ -307,6 +315,7 @@ def main() -> int:
     parser.add_argument(
         "--seed", type=int, default=SEED, help="question sample (another seed: a held-out dev set)"
     )
+    parser.add_argument("--min-prompt-tokens", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument(
@@ -340,9 +349,9 @@ def main() -> int:
         raise SystemExit(f"{out} was measured in {earlier['dtype']}, not {args.dtype}")
     rows: list[dict[str, Any]] = earlier["rows"]
     by_qid = {row["qid"]: row for row in rows}
-    for example in tqdm(
-        load_hotpotqa(args.questions, seed=args.seed), desc=args.model, disable=None
-    ):
+    examples = load_hotpotqa(args.questions, seed=args.seed)
+    for example in tqdm(examples, desc=args.model, disable=None):
+        example = padded(example, examples, tokenizer, args.min_prompt_tokens)
         row = by_qid.get(example.qid)
         missing = [m for m in methods if row is None or m not in row["methods"]]
         if not missing:
@@ -359,6 +368,7 @@ def main() -> int:
                 "f1_full": f1_score(full_text, example.answer),
                 "methods": {},
             }
+            row["prompt_tokens"] = build_layout(segments).num_tokens
             rows.append(row)
             by_qid[example.qid] = row
         elif row["full"] != full_text:
@@ -368,7 +378,10 @@ def main() -> int:
         for method in missing:
             codec = split_codec(method)[1]
             on = segments if codec is None else coded[codec]
-            run = run_method(adapter, on, selectors[method], stop, ANSWER_TOKENS, full.answer)
+            keep = split_keep(method)[1]
+            run = run_method(
+                adapter, on, selectors[method], stop, ANSWER_TOKENS, full.answer, keep
+            )
             row["methods"][method] = measure(full, run, tokenizer, example.answer, full_text)
         partial = {"model": MODELS[args.model], "dtype": args.dtype, "rows": rows}
         out.write_text(json.dumps(partial, indent=1) + "\n")

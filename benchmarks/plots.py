@@ -302,6 +302,34 @@ def plot_placement(results_file: Path, out: Path) -> Path | None:
     return _save(figure, title, out)
 
 
+def plot_decode_eviction(results_file: Path, out: Path) -> Path | None:
+    """Median decode step per batch size, all prompt rows vs the kept capacity."""
+    if not results_file.exists():
+        return None
+    report = _load(results_file)
+    figure, axes = plt.subplots(figsize=(6.0, 3.8), dpi=DPI)
+    batches = list(report["batches"])
+    modes = list(report["batches"][batches[0]]["median_step_s"])
+    width = 0.38
+    for offset, (mode, color) in enumerate(zip(modes, ["tab:grey", "tab:orange"], strict=False)):
+        steps = [1000 * report["batches"][b]["median_step_s"][mode] for b in batches]
+        xs = [i + (offset - 0.5) * width for i in range(len(batches))]
+        axes.bar(xs, steps, width, label=mode, color=color)
+    for i, batch in enumerate(batches):
+        ratio = report["batches"][batch]["step_ratio"]
+        top = max(report["batches"][batch]["median_step_s"].values()) * 1000
+        axes.annotate(f"{ratio:.2f}x", (i, top), ha="center", va="bottom", fontsize=9)
+    axes.set_xticks(range(len(batches)), [f"{b} request(s)" for b in batches])
+    axes.set_ylabel("median decode step (ms)")
+    axes.legend()
+    axes.grid(axis="y", alpha=0.3)
+    title = (
+        f"decode after a fused prefill, {report['model']}, CPU\n"
+        f"(benchmarks/results/{results_file.name})"
+    )
+    return _save(figure, title, out)
+
+
 def _save(figure: Figure, title: str, out: Path) -> Path:
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
@@ -321,6 +349,7 @@ def main() -> int:
         plot_fusion_retention(results, results / "fusion_retention_vs_ttft.png"),
         plot_placement(results / "placement.json", results / "placement.png"),
         plot_placement(results / "placement_dram12.json", results / "placement_dram12.png"),
+        plot_decode_eviction(results / "decode_eviction.json", results / "decode_eviction.png"),
         *(
             replot_frontier(json_file.parent)
             for json_file in sorted(results.glob(f"*/{JSON_NAME}"))

@@ -15,6 +15,13 @@ from typing import NamedTuple
 import torch
 
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion.decode_eviction import (
+    DEFAULT_WINDOW,
+    capacity_tokens,
+    evict,
+    keep_whole_mask,
+    kept_positions,
+)
 from sglang_hicache_ext.fusion.executor import KVCache, decode_step, fused_prefill
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector
@@ -41,13 +48,21 @@ def run_method(
     stop_ids: Collection[int],
     max_tokens: int,
     reference: Sequence[int] | None = None,
+    decode_capacity: float | None = None,
 ) -> MethodRun:
-    """Fused prefill with `selector`, greedy answer, logits along `reference` (teacher forcing)."""
+    """Fused prefill with `selector`, greedy answer, logits along `reference` (teacher forcing).
+    decode_capacity: the decode keeps this fraction of the prompt's tokens (decode eviction)."""
     began = time.perf_counter()
-    prefill = fused_prefill(adapter, segments, selector, return_kv=True)
+    window = 0 if decode_capacity is None else DEFAULT_WINDOW
+    prefill = fused_prefill(adapter, segments, selector, return_kv=True, decode_window=window)
     prefill_s = time.perf_counter() - began
     assert prefill.kv is not None
-    answer, logits, caches = _greedy(adapter, prefill.kv, prefill.logits, stop_ids, max_tokens)
+    kv = prefill.kv
+    if decode_capacity is not None:
+        assert prefill.window_scores is not None
+        capacity = capacity_tokens(decode_capacity, prefill.num_tokens)
+        kv = evict(kv, kept_positions(prefill.window_scores, keep_whole_mask(segments), capacity))
+    answer, logits, caches = _greedy(adapter, kv, prefill.logits, stop_ids, max_tokens)
     if reference is None:
         return MethodRun(answer, prefill.logits, tuple(logits[: len(answer)]), prefill_s)
     # logits[i] predicts answer[i] after prompt + answer[:i]: along the reference as long as the

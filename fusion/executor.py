@@ -19,6 +19,7 @@ import torch
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.attention import attend
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.decode_eviction import window_scores
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.request_state import FusionJob, KVCache, RequestState
@@ -46,6 +47,9 @@ class FusionResult:
     hidden: torch.Tensor | None = None
     prefix_tokens: int = 0
     load_wait_s: float = 0.0  # time the compute waited for stored rows of slow-tier chunks
+    # [L, Hkv, N]: what each token received from the last prompt queries (job.decode_window),
+    # the scores a decode-time eviction ranks by (`fusion.decode_eviction`).
+    window_scores: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,9 +97,12 @@ def fused_prefill(
     attention_backend: str = "torch",
     exact_prefix: KVCache | None = None,
     outputs_from: int | None = None,
+    decode_window: int = 0,
 ) -> FusionResult:
     """Prefill `segments` reusing chunk KV, recomputing what `selector` picks (see FusionJob)."""
-    job = FusionJob(segments, selector, exact_prefix, outputs_from, return_kv)
+    job = FusionJob(
+        segments, selector, exact_prefix, outputs_from, return_kv, decode_window=decode_window
+    )
     return fused_prefill_batch(adapter, [job], attention_backend=attention_backend)[0]
 
 
@@ -149,6 +156,7 @@ def _run_layers(
             hidden=state.outputs(final),
             prefix_tokens=state.prefix_len,
             load_wait_s=state.loader.wait_s,
+            window_scores=torch.stack(state.window_scores) if state.window_scores else None,
         )
         for i, (state, final) in enumerate(zip(states, finals, strict=True))
     ]
@@ -190,6 +198,12 @@ def _attend_request(
     attn = attend(
         q, layer_k, layer_v, state.q_pos, state.positions, adapter.attn_scale, attention_backend
     )
+    if state.job.decode_window:
+        # The window's queries computed at this layer (the question's always are).
+        window = state.q_pos >= state.num_tokens - state.job.decode_window
+        state.window_scores.append(
+            window_scores(q[window], state.q_pos[window], layer_k, adapter.attn_scale)
+        )
     if state.job.return_kv:
         state.keys.append(layer_k)
         state.values.append(layer_v)
@@ -209,9 +223,11 @@ def _after(prefix: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
 def decode_step(
     adapter: ModelAdapter, kv: KVCache, token_id: int, attention_backend: str = "torch"
 ) -> tuple[torch.Tensor, KVCache]:
-    """One token at position kv.num_tokens over `kv`; returns float32 logits [vocab] and new KV."""
+    """One token at position kv.position over `kv`; returns float32 logits [vocab] and new KV."""
     device = adapter.device
-    pos = torch.tensor([kv.num_tokens], device=device)
+    pos = torch.tensor([kv.position], device=device)
+    # The new token sees every key: after an eviction the kept rows carry no positions of
+    # their own, so they are given 0.. (all below the query's).
     key_positions = torch.arange(kv.num_tokens + 1, device=device)
     hidden = adapter.embed(torch.tensor([token_id], device=device))
     keys: list[torch.Tensor] = []
@@ -227,7 +243,8 @@ def decode_step(
         hidden = adapter.attention_output(layer, hidden, attn)
         keys.append(layer_k)
         values.append(layer_v)
-    return adapter.logits(hidden)[0].float(), KVCache(tuple(keys), tuple(values))
+    following = None if kv.next_position is None else kv.next_position + 1
+    return adapter.logits(hidden)[0].float(), KVCache(tuple(keys), tuple(values), following)
 
 
 def generate_greedy(

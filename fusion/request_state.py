@@ -27,14 +27,22 @@ from sglang_hicache_ext.fusion.selectors import SelectionContext, Selector
 
 @dataclass(frozen=True, eq=False)
 class KVCache:
-    """Post-RoPE K and V of every layer for tokens at positions 0..num_tokens-1."""
+    """Post-RoPE K and V of every layer for tokens at positions 0..num_tokens-1, or, after a
+    decode-time eviction (`fusion.decode_eviction`), for the kept rows of a sequence whose next
+    token goes at `next_position`."""
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
+    next_position: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.keys[0].shape[0])
+
+    @property
+    def position(self) -> int:
+        """The position of the next token."""
+        return self.num_tokens if self.next_position is None else self.next_position
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +65,9 @@ class FusionJob:
     # Read the next layer's stored rows of slow-tier chunks while this layer computes
     # (`fusion.layer_loader`); False: read them when the layer needs them.
     overlap_loads: bool = True
+    # > 0: score every token by the attention of the last `decode_window` prompt queries, for a
+    # decode-time eviction (`fusion.decode_eviction`); 0: no scores.
+    decode_window: int = 0
 
 
 class RequestState:
@@ -83,6 +94,7 @@ class RequestState:
         self.computed: list[int] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.window_scores: list[torch.Tensor] = []
         self.num_layers = adapter.shape.num_layers
         self.loader = LayerLoader(job.overlap_loads)
         self.narrowed = False

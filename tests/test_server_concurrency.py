@@ -4,7 +4,8 @@ The server prefills in rounds of 128 tokens, so long prompts are split across ch
 rounds and share batches with fused requests (the shape that crashed the scheduler: a split
 normal request planned from its whole prompt wrote more K/V rows than its round allocated).
 Traffic mixes fused requests with every selector, fused prompts split across rounds, fused
-requests with logprobs, normal long prompts with and without a shared system prefix, logprobs,
+requests with logprobs, fused requests whose decode attends only their kept rows (decode-time
+eviction), normal long prompts with and without a shared system prefix, logprobs,
 streaming, and streams the client drops midway. Also here, on the same server: a ~1.5K-token
 fused prompt over 12 rounds and fused logprobs, each equal to the normal prefill at r = 1.
 
@@ -187,6 +188,13 @@ def jobs(concurrency_server: ServerConfig, smollm2_path: Path) -> list[Job]:
             )
         )
         mix.append(Job(f"stream-normal-{i}", f"Stream {i}. {long_text[:1500]}\nSo:", stream=True))
+    # Fused with decode-time eviction (a quarter of the prompt kept per layer and head), one
+    # round and split, decoding in the same batches as requests that attend every row.
+    for i in range(4):
+        text = f"Files {i}:\n{docs[8 + i]}\n\n{docs[(9 + i) % 12]}\nWhich came first?\nA:"
+        text = text if i % 2 else f"Note:\n{docs[8 + i]}\nQ: when?\nA:"
+        evict = {**_fused("a3"), "fusion_decode_capacity": 0.25}
+        mix.append(Job(f"fused-evict-{i}", text, 12, evict, expect="fused"))
     # Dropped midway: long decodes the client abandons after the first event.
     for i in range(2):
         mix.append(
@@ -243,6 +251,8 @@ def _check_report(job: Job, outcome: Outcome) -> None:
     reports = [r for r in outcome.fusion if r is not None]
     if job.expect == "fused":
         assert len(reports) == 1 and reports[0]["fused"], f"{job.name}: {reports}"
+        if "fusion_decode_capacity" in job.custom:  # the decode attended only the kept rows
+            assert reports[0]["decode_kept_tokens"] > 0, f"{job.name}: {reports}"
     elif job.expect != "normal":
         reasons = {r.get("fallback") for r in reports}
         assert reports and reasons <= set(job.expect.split("|")), f"{job.name}: {reports}"

@@ -167,6 +167,9 @@ def test_no_registered_chunk_falls_back_to_normal_prefill(hicache_server) -> Non
         ({"fusion_selector": "magic"}, "is unknown"),
         ({"fusion": "yes"}, "must be true or false"),
         ({"fusion_sink_tokens": -4}, "must be an integer >= 0"),
+        ({"fusion_decode_capacity": 0}, "must be in (0, 1]"),
+        ({"fusion_decode_capacity": 1.5}, "must be in (0, 1]"),
+        ({"fusion_decode_capacity": "half"}, "must be in (0, 1]"),
     ],
 )
 def test_bad_fusion_options_are_400(hicache_server, custom: dict, message: str) -> None:
@@ -260,3 +263,38 @@ def test_deleting_a_chunk_under_a_running_request_is_safe(hicache_server) -> Non
     assert last is not None and last["output_ids"] == reference["output_ids"]
     again = requests.post(url + "/generate", json=body, timeout=600).json()
     assert again["meta_info"]["hicache_ext_fusion"][0].get("fallback") == "no_chunk_matched"
+
+
+def test_decode_eviction_keeps_capacity_and_never_touches_other_requests(
+    hicache_server, rag_prompts
+) -> None:
+    """fusion_decode_capacity: at 1 the decode attends every prompt row (the output of no
+    eviction); at 0.25 a quarter, reported per request; the next request on the same pool row
+    decodes over all its rows again (a kept set never outlives its request)."""
+    url = hicache_server.url
+    # A variant no other test sends: a normal prefill of it would leave it in the file tier.
+    prompt = rag_prompts[1].replace("Documents:", "Decode eviction check. Documents:")
+    options = {"fusion": True, "fusion_selector": "a3", "fusion_recompute_ratio": 0.15}
+    plain = _generate(url, prompt, **options)
+    whole = _generate(url, prompt, **options, fusion_decode_capacity=1.0)
+    (info,) = whole["meta_info"]["hicache_ext_fusion"]
+    tokens = whole["meta_info"]["prompt_tokens"]
+    assert info.get("decode_kept_tokens") == tokens and info["decode_unused_tokens"] == 0, info
+    assert whole["output_ids"] == plain["output_ids"]
+    def kept_steps() -> int:
+        info = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
+        return info["hicache_ext"]["fusion"]["decode_steps_over_kept_rows"]
+
+    before = kept_steps()
+    quarter = _generate(url, prompt, **options, fusion_decode_capacity=0.25)
+    # Every decode step after the first token (sampled from the prefill) read kept rows only.
+    assert kept_steps() - before == len(quarter["output_ids"]) - 1
+    (info,) = quarter["meta_info"]["hicache_ext_fusion"]
+    assert info["fused"] and info["decode_capacity"] == 0.25
+    # A quarter of the prompt, or the text outside the chunks when that alone is more.
+    assert -(-tokens // 4) <= info["decode_kept_tokens"] < tokens // 2, info
+    assert len(quarter["output_ids"]) == 12
+    # The same pool row serves the next request: it attends every row again.
+    assert _generate(url, prompt, **options)["output_ids"] == plain["output_ids"]
+    stats = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
+    assert stats["hicache_ext"]["fusion"]["decode_evictions"] >= 2

@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
+from sglang_hicache_ext.fusion.decode_eviction import DEFAULT_WINDOW
 from sglang_hicache_ext.fusion.executor import FusionJob, FusionResult, fused_prefill_batch
 from sglang_hicache_ext.fusion.request import ChunkSegment
 from sglang_hicache_ext.fusion.request_state import KVCache
+from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import keep_for_decode
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows, RoundRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY
@@ -44,8 +46,15 @@ def run_fused_batch(
     results = fused_prefill_batch(adapter, jobs)
     _synchronize(adapter.device)
     prefill_s = time.perf_counter() - began
-    for (_, plan), result in zip(firsts, results, strict=True):
+    for (index, plan), result in zip(firsts, results, strict=True):
         plan.continuation = _rows_of(adapter, plan, result)
+        capacity = plan.options.decode_capacity if plan.options is not None else None
+        if capacity is not None:
+            row = int(forward_batch.req_pool_indices[index])
+            kept = keep_for_decode(runner, row, plan.segments, result, capacity)
+            plan.continuation.info.update(kept)
+            applied = "decode_kept_tokens" in kept
+            rt.counters["decode_evictions" if applied else "decode_eviction_unsupported"] += 1
         _count_fused(rt, plan, plan.continuation.info, prefill_s)
     if firsts:
         logger.info(
@@ -116,6 +125,8 @@ def _job(
         outputs_from=outputs_from,
         return_kv=True,
         overlap_loads=plan.options.overlap_loads,
+        # Window scores only when the decode evicts (they cost attention of the window).
+        decode_window=0 if plan.options.decode_capacity is None else DEFAULT_WINDOW,
     )
 
 

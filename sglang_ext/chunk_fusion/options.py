@@ -2,7 +2,7 @@
 
 Flat keys, because SGLang types `custom_params` as flat JSON (nested values survive its IPC only
 while it pickles). Unset keys take the server defaults from the extension settings; the value
-types and bounds are the settings' own (`SelectorName`, `RecomputeRatio`, `SinkTokens`).
+types and bounds are the settings' own (`SelectorName`, `RecomputeRatio`, `SinkTokens`, `DecodeCapacity`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pydantic_core import ErrorDetails
 
 from sglang_hicache_ext.sglang_ext.server.setting_types import (
     AUTO_RATIO,
+    DECODE_CAPACITY_CHOICES,
+    DecodeCapacity,
     RatioOrAuto,
     SelectorName,
     SinkTokens,
@@ -26,6 +28,7 @@ SELECTOR_KEY = "fusion_selector"
 RATIO_KEY = "fusion_recompute_ratio"
 SINK_KEY = "fusion_sink_tokens"
 OVERLAP_KEY = "fusion_overlap_loads"
+DECODE_CAPACITY_KEY = "fusion_decode_capacity"
 META_KEY = "hicache_ext_fusion"
 
 # Each option's custom_params key and the setting that is its server default.
@@ -35,6 +38,7 @@ SERVER_DEFAULTS: dict[str, str] = {
     RATIO_KEY: "fusion_recompute_ratio",
     SINK_KEY: "fusion_sink_tokens",
     OVERLAP_KEY: "fusion_overlap_loads",
+    DECODE_CAPACITY_KEY: "fusion_decode_capacity",
 }
 OPTION_KEYS: tuple[str, ...] = tuple(SERVER_DEFAULTS)
 
@@ -52,6 +56,8 @@ class FusionOptions(BaseModel):
     recompute_ratio: RatioOrAuto = Field(alias=RATIO_KEY)
     sink_tokens: SinkTokens = Field(alias=SINK_KEY)
     overlap_loads: bool = Field(alias=OVERLAP_KEY)
+    # None: the decode attends every prompt token; a share in (0, 1]: decode-time eviction.
+    decode_capacity: DecodeCapacity | None = Field(alias=DECODE_CAPACITY_KEY)
 
 
 def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOptions:
@@ -89,6 +95,8 @@ def _refusal(error: ErrorDetails) -> str:
         return f"custom_params.{key} = {given} {selector_choices()}"
     if key == RATIO_KEY:  # a union: pydantic reports one error per member
         return f'custom_params.{key} must be a number in [0, 1] or "auto", got {given}'
+    if key == DECODE_CAPACITY_KEY:  # a number or null
+        return f"custom_params.{key} {DECODE_CAPACITY_CHOICES} (or null), got {given}"
     field = next(f for f in FusionOptions.model_fields.values() if f.alias == key)
     must_be = " ".join(filter(None, (_MUST_BE[field.annotation], bound_phrase(field))))
     return f"custom_params.{key} must be {must_be}, got {given}"

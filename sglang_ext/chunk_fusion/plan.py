@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment, slice_chunk
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
+from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
@@ -103,7 +104,7 @@ class FusionRuntime:
             del self.pending[req]
 
     def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+        return {**self.counters, "decode_steps_over_kept_rows": KEPT_ROWS.decode_steps}
 
 
 _runtime: FusionRuntime | None = None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang_hicache_ext.fusion.attention import gather_attend
+from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -35,6 +36,19 @@ def _make_backend_class() -> type:
     class TorchPositionAttnBackend(TorchNativeAttnBackend):
         """TorchNativeAttnBackend whose extend/decode attend only the new queries."""
 
+        # The decode of a fused request asked with fusion_decode_capacity attends its kept
+        # prompt rows only (chunk_fusion/decode_keep.py).
+        applies_kept_rows = True
+        _decode_layer = 0
+
+        def forward_decode(
+            self, q: Any, k: Any, v: Any, layer: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            # Kept rows differ per layer; SGLang's decode call below does not say which layer.
+            start = getattr(self.token_to_kv_pool, "start_layer", 0)
+            self._decode_layer = layer.layer_id - start
+            return super().forward_decode(q, k, v, layer, *args, **kwargs)
+
         def _run_sdpa_forward_extend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
             call = read_extend(self, args, kwargs)
             if not (call["causal"] and _plain_self_attention(call)):
@@ -46,6 +60,8 @@ def _make_backend_class() -> type:
             call = read_decode(self, args, kwargs)
             if not _plain_self_attention(call):
                 return super()._run_sdpa_forward_decode(*args, **kwargs)
+            if len(KEPT_ROWS):
+                return _decode_with_kept_rows(call, self)
             # One new query per request, at the last position.
             prefix_lens = [seq_len - 1 for seq_len in call["seq_lens"].tolist()]
             return _attend_new_queries(call, prefix_lens, [1] * len(prefix_lens))
@@ -111,6 +127,29 @@ def _attend_new_queries(
             call["scaling"],
         )
         start = end
+    return output
+
+
+def _decode_with_kept_rows(call: Mapping[str, Any], backend: Any) -> torch.Tensor:
+    """Decode where some requests attend only their kept prompt rows (decode eviction)."""
+    query, output, req_to_token = call["query"], call["output"], call["req_to_token"]
+    generations = backend.req_to_token_pool.req_generation
+    for index, (row, seq_len) in enumerate(
+        zip(call["req_pool_indices"].tolist(), call["seq_lens"].tolist(), strict=True)
+    ):
+        kept = KEPT_ROWS.get(row, int(generations[row]))
+        one = query[index : index + 1]
+        if kept is None:
+            output[index : index + 1] = gather_attend(
+                one, call["k_cache"], call["v_cache"], req_to_token[row, :seq_len],
+                torch.tensor([seq_len - 1], device=query.device), call["scaling"],
+            )
+        else:
+            KEPT_ROWS.decode_steps += backend._decode_layer == 0
+            output[index : index + 1] = kept.attend(
+                backend._decode_layer, one, call["k_cache"], call["v_cache"],
+                req_to_token[row], seq_len, call["scaling"],
+            )
     return output
 
 

@@ -50,6 +50,17 @@ AUTO_RATIO = "auto"
 RatioOrAuto = RecomputeRatio | Literal["auto"]
 RATIO_CHOICES = 'must be in [0, 1] or "auto"'
 SinkTokens = Annotated[int, Field(ge=0)]
+DECODE_CAPACITY_CHOICES = "must be in (0, 1], the share of the prompt's tokens the decode keeps"
+
+
+def _decode_capacity(value: float) -> float:
+    if not 0 < value <= 1:
+        raise ValueError(DECODE_CAPACITY_CHOICES)
+    return value
+
+
+# The decode keeps this share of a fused prompt's tokens per layer and head (decode eviction).
+DecodeCapacity = Annotated[float, AfterValidator(_decode_capacity)]
 
 
 TierOrder = Annotated[list[ChunkTierName], AfterValidator(_tier_order)]

@@ -26,6 +26,7 @@ from sglang_hicache_ext.sglang_ext.server.setting_types import (
     AUTO_RATIO,
     RATIO_CHOICES,
     ChunkCodecSpec,
+    DecodeCapacity,
     HostPort,
     RatioOrAuto,
     SelectorName,
@@ -148,6 +149,11 @@ class ExtensionSettings(BaseModel):
         True,
         description="Server default of custom_params.fusion_overlap_loads: read the next "
         "layer's rows of disk chunks while this layer computes.",
+    )
+    fusion_decode_capacity: DecodeCapacity | None = Field(
+        None,
+        description="Server default of custom_params.fusion_decode_capacity: after a fused "
+        "prefill the decode attends this share of the prompt's tokens (null: all of them).",
     )
     chunk_max_body_bytes: int = Field(
         4 * 1024**2, gt=0, description="Largest POST /chunks body, checked before parsing."
