@@ -99,7 +99,7 @@ def compact_kept(cache: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor, f
     sit in place and are not written.
     """
     heads = torch.arange(kept.shape[0], device=kept.device).unsqueeze(1)
-    if first and not torch.equal(kept[:, :first], torch.arange(first).expand(kept.shape[0], -1)):
+    if first and not torch.equal(kept[:, :first], heads.new_tensor(range(first)).expand(kept.shape[0], -1)):
         raise ValueError("every head must keep the shared positions below `first` whole")
     rows = cache[slots[kept].long(), heads]  # [Hkv, C, D], gathered before any write
     target = slots[first : kept.shape[1]].long().expand(kept.shape[0], -1)

@@ -104,18 +104,18 @@ KEPT_ROWS = KeptRowsTable()
 
 def keep_for_decode(
     runner: Any,
+    req: Any,
     row: int,
     segments: list[Segment],
     result: FusionResult,
     capacity: float,
 ) -> dict[str, Any]:
     """Choose and record request `row`'s kept prompt rows; returns what its response reports."""
-    if not getattr(runner.attn_backend, "applies_kept_rows", False):
-        # Another attention backend would attend every row anyway: say so, never pretend.
-        logger.warning(
-            "fusion_decode_capacity needs --attention-backend torch_position; decoding all rows"
-        )
-        return {"decode_eviction": "unsupported_attention_backend"}
+    unsupported = _unsupported(runner, req)
+    if unsupported is not None:
+        # The decode attends every row: say so, never pretend.
+        logger.warning("fusion_decode_capacity not applied (%s); decoding all rows", unsupported)
+        return {"decode_eviction": unsupported}
     assert result.window_scores is not None, "the fused prefill was not asked for window scores"
     whole = ~build_layout(after_exact_prefix(segments, result.prefix_tokens)).is_chunk
     positions = kept_positions(
@@ -131,3 +131,13 @@ def keep_for_decode(
         "decode_kept_tokens": int(positions.shape[-1]),  # per layer and KV head
         "decode_unused_tokens": int((~used).sum()),  # kept by no layer and no head
     }
+
+
+def _unsupported(runner: Any, req: Any) -> str | None:
+    if not getattr(runner.attn_backend, "applies_kept_rows", False):
+        return "unsupported_attention_backend"  # only torch_position reads kept rows
+    if getattr(req, "session", None) is not None:
+        # A session's next turn keeps this pool row (same generation) and reads its prompt rows
+        # as its prefix; after the move they no longer hold the prompt.
+        return "unsupported_session"
+    return None

@@ -51,7 +51,7 @@ def run_fused_batch(
         capacity = plan.options.decode_capacity if plan.options is not None else None
         if capacity is not None:
             row = int(forward_batch.req_pool_indices[index])
-            kept = keep_for_decode(runner, row, plan.segments, result, capacity)
+            kept = keep_for_decode(runner, plan.req, row, plan.segments, result, capacity)
             plan.continuation.info.update(kept)
             applied = "decode_kept_tokens" in kept
             rt.counters["decode_evictions" if applied else "decode_eviction_unsupported"] += 1

@@ -39,31 +39,39 @@ def _make_backend_class() -> type:
         # The decode of a fused request asked with fusion_decode_capacity attends its kept
         # prompt rows only (chunk_fusion/decode_keep.py).
         applies_kept_rows = True
-        _decode_layer = 0
+        _layer = 0
 
         def forward_decode(
             self, q: Any, k: Any, v: Any, layer: Any, *args: Any, **kwargs: Any
         ) -> Any:
-            # Kept rows differ per layer; SGLang's decode call below does not say which layer.
-            start = getattr(self.token_to_kv_pool, "start_layer", 0)
-            self._decode_layer = layer.layer_id - start
+            self._layer = _layer_index(self, layer)
             return super().forward_decode(q, k, v, layer, *args, **kwargs)
+
+        def forward_extend(
+            self, q: Any, k: Any, v: Any, layer: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            # A mixed batch (--enable-mixed-chunk) decodes some requests through extend.
+            self._layer = _layer_index(self, layer)
+            return super().forward_extend(q, k, v, layer, *args, **kwargs)
 
         def _run_sdpa_forward_extend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
             call = read_extend(self, args, kwargs)
             if not (call["causal"] and _plain_self_attention(call)):
                 return super()._run_sdpa_forward_extend(*args, **kwargs)
             prefix_lens = call["extend_prefix_lens"].tolist()
-            return _attend_new_queries(call, prefix_lens, call["extend_seq_lens"].tolist())
+            extend_lens = call["extend_seq_lens"].tolist()
+            if len(KEPT_ROWS):
+                return _with_kept_rows(call, self, prefix_lens, extend_lens)
+            return _attend_new_queries(call, prefix_lens, extend_lens)
 
         def _run_sdpa_forward_decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
             call = read_decode(self, args, kwargs)
             if not _plain_self_attention(call):
                 return super()._run_sdpa_forward_decode(*args, **kwargs)
-            if len(KEPT_ROWS):
-                return _decode_with_kept_rows(call, self)
             # One new query per request, at the last position.
             prefix_lens = [seq_len - 1 for seq_len in call["seq_lens"].tolist()]
+            if len(KEPT_ROWS):
+                return _with_kept_rows(call, self, prefix_lens, [1] * len(prefix_lens))
             return _attend_new_queries(call, prefix_lens, [1] * len(prefix_lens))
 
     return TorchPositionAttnBackend
@@ -130,26 +138,42 @@ def _attend_new_queries(
     return output
 
 
-def _decode_with_kept_rows(call: Mapping[str, Any], backend: Any) -> torch.Tensor:
-    """Decode where some requests attend only their kept prompt rows (decode eviction)."""
+def _layer_index(backend: Any, layer: Any) -> int:
+    # Kept rows differ per layer; SGLang's attention call does not say which layer it is.
+    return int(layer.layer_id) - getattr(backend.token_to_kv_pool, "start_layer", 0)
+
+
+def _with_kept_rows(
+    call: Mapping[str, Any], backend: Any, prefix_lens: Sequence[int], new_lens: Sequence[int]
+) -> torch.Tensor:
+    """Attention where requests decoding after a decode-time eviction read only their kept
+    prompt rows (`chunk_fusion/decode_keep.py`); every other request as `_attend_new_queries`."""
     query, output, req_to_token = call["query"], call["output"], call["req_to_token"]
     generations = backend.req_to_token_pool.req_generation
-    for index, (row, seq_len) in enumerate(
-        zip(call["req_pool_indices"].tolist(), call["seq_lens"].tolist(), strict=True)
+    start = 0
+    for row, prefix_len, new_len, seq_len in zip(
+        call["req_pool_indices"].tolist(), prefix_lens, new_lens, call["seq_lens"].tolist(),
+        strict=True,
     ):
+        end = start + new_len
         kept = KEPT_ROWS.get(row, int(generations[row]))
-        one = query[index : index + 1]
-        if kept is None:
-            output[index : index + 1] = gather_attend(
-                one, call["k_cache"], call["v_cache"], req_to_token[row, :seq_len],
-                torch.tensor([seq_len - 1], device=query.device), call["scaling"],
-            )
-        else:
-            KEPT_ROWS.decode_steps += backend._decode_layer == 0
-            output[index : index + 1] = kept.attend(
-                backend._decode_layer, one, call["k_cache"], call["v_cache"],
+        if kept is not None and prefix_len >= kept.prompt_len:  # decoding past its prompt
+            if new_len != 1:
+                raise RuntimeError(
+                    f"a request decoding over kept rows extends by {new_len} tokens; "
+                    "decode-time eviction decodes one token per step"
+                )
+            KEPT_ROWS.decode_steps += backend._layer == 0
+            output[start:end] = kept.attend(
+                backend._layer, query[start:end], call["k_cache"], call["v_cache"],
                 req_to_token[row], seq_len, call["scaling"],
             )
+        else:
+            output[start:end] = gather_attend(
+                query[start:end], call["k_cache"], call["v_cache"], req_to_token[row, :seq_len],
+                torch.arange(prefix_len, seq_len, device=query.device), call["scaling"],
+            )
+        start = end
     return output
 
 
