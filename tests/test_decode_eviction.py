@@ -191,7 +191,7 @@ def test_a_mixed_batch_decodes_evicted_requests_over_their_kept_rows_only() -> N
 
     from sglang_hicache_ext.fusion.attention import gather_attend
     from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS, KeptRows
-    from sglang_hicache_ext.sglang_ext.cpu.position_attention import _with_kept_rows
+    from sglang_hicache_ext.sglang_ext.cpu.position_attention import _attend_new_queries
 
     generator = torch.Generator().manual_seed(3)
     k_cache, v_cache = (torch.randn(80, 2, 8, generator=generator) for _ in range(2))
@@ -214,14 +214,14 @@ def test_a_mixed_batch_decodes_evicted_requests_over_their_kept_rows_only() -> N
         prefill = gather_attend(
             query[1:], k_cache, v_cache, req_to_token[2, :30], torch.arange(27, 30), 0.3
         )
-        out = _with_kept_rows(call, backend, [24, 27], [1, 3])
+        out = _attend_new_queries(call, backend, [24, 27], [1, 3])
         assert torch.allclose(out[1:], prefill, atol=1e-6)
         k_copy, v_copy = k_cache.clone(), v_cache.clone()  # already compacted by the call above
         expected_kept.compacted.add(0)
         decode = expected_kept.attend(0, query[:1], k_copy, v_copy, req_to_token[1], 25, 0.3)
         assert torch.allclose(out[:1], decode, atol=1e-6)
         with pytest.raises(RuntimeError, match="one token per step"):
-            _with_kept_rows({**call, "output": torch.empty_like(query)}, backend, [23, 28], [2, 2])
+            _attend_new_queries({**call, "output": torch.empty_like(query)}, backend, [23, 28], [2, 2])
     finally:
         KEPT_ROWS.put(1, KeptRows(-1, 0, 0, kept.positions), torch.tensor([0, 7, 0, 0]))
         assert KEPT_ROWS.get(1, 7) is None and len(KEPT_ROWS) == 0

@@ -60,9 +60,7 @@ def _make_backend_class() -> type:
                 return super()._run_sdpa_forward_extend(*args, **kwargs)
             prefix_lens = call["extend_prefix_lens"].tolist()
             extend_lens = call["extend_seq_lens"].tolist()
-            if len(KEPT_ROWS):
-                return _with_kept_rows(call, self, prefix_lens, extend_lens)
-            return _attend_new_queries(call, prefix_lens, extend_lens)
+            return _attend_new_queries(call, self, prefix_lens, extend_lens)
 
         def _run_sdpa_forward_decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
             call = read_decode(self, args, kwargs)
@@ -70,9 +68,7 @@ def _make_backend_class() -> type:
                 return super()._run_sdpa_forward_decode(*args, **kwargs)
             # One new query per request, at the last position.
             prefix_lens = [seq_len - 1 for seq_len in call["seq_lens"].tolist()]
-            if len(KEPT_ROWS):
-                return _with_kept_rows(call, self, prefix_lens, [1] * len(prefix_lens))
-            return _attend_new_queries(call, prefix_lens, [1] * len(prefix_lens))
+            return _attend_new_queries(call, self, prefix_lens, [1] * len(prefix_lens))
 
     return TorchPositionAttnBackend
 
@@ -110,53 +106,26 @@ def _plain_self_attention(call: Mapping[str, Any]) -> bool:
     )
 
 
-def _attend_new_queries(
-    call: Mapping[str, Any], prefix_lens: Sequence[int], new_lens: Sequence[int]
-) -> torch.Tensor:
-    """Each request's new queries (packed in order in `query`) at positions prefix_len.., over
-    its pooled K/V; written into and returning `output`."""
-    query, output = call["query"], call["output"]
-    start = 0
-    for row, prefix_len, new_len, seq_len in zip(
-        call["req_pool_indices"].tolist(),
-        prefix_lens,
-        new_lens,
-        call["seq_lens"].tolist(),
-        strict=True,
-    ):
-        end = start + new_len
-        positions = torch.arange(prefix_len, seq_len, device=query.device)
-        output[start:end] = gather_attend(
-            query[start:end],
-            call["k_cache"],
-            call["v_cache"],
-            call["req_to_token"][row, :seq_len],
-            positions,
-            call["scaling"],
-        )
-        start = end
-    return output
-
-
 def _layer_index(backend: Any, layer: Any) -> int:
     # Kept rows differ per layer; SGLang's attention call does not say which layer it is.
     return int(layer.layer_id) - getattr(backend.token_to_kv_pool, "start_layer", 0)
 
 
-def _with_kept_rows(
+def _attend_new_queries(
     call: Mapping[str, Any], backend: Any, prefix_lens: Sequence[int], new_lens: Sequence[int]
 ) -> torch.Tensor:
-    """Attention where requests decoding after a decode-time eviction read only their kept
-    prompt rows (`chunk_fusion/decode_keep.py`); every other request as `_attend_new_queries`."""
+    """Each request's new queries (packed in order in `query`) at positions prefix_len.., over
+    its pooled K/V; written into and returning `output`. A request decoding after a decode-time
+    eviction reads only its kept prompt rows (`chunk_fusion/decode_keep.py`)."""
     query, output, req_to_token = call["query"], call["output"], call["req_to_token"]
-    generations = backend.req_to_token_pool.req_generation
+    generations = backend.req_to_token_pool.req_generation if KEPT_ROWS else None
     start = 0
     for row, prefix_len, new_len, seq_len in zip(
         call["req_pool_indices"].tolist(), prefix_lens, new_lens, call["seq_lens"].tolist(),
         strict=True,
     ):
         end = start + new_len
-        kept = KEPT_ROWS.get(row, int(generations[row]))
+        kept = None if generations is None else KEPT_ROWS.get(row, int(generations[row]))
         if kept is not None and prefix_len >= kept.prompt_len:  # decoding past its prompt
             if new_len != 1:
                 raise RuntimeError(
