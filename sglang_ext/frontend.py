@@ -54,8 +54,9 @@ class FusionRequest:
     """Per-request fusion options, as the server's `custom_params` keys.
 
     None leaves an option to the server's settings (`fusion_selector`, `fusion_recompute_ratio`,
-    `fusion_sink_tokens`, `fusion_overlap_loads`), the one place where its default is written.
-    `recompute_ratio="auto"`: the ratio tuned for the tier each chunk is loaded from.
+    `fusion_sink_tokens`, `fusion_overlap_loads`, `fusion_decode_capacity`), the one place where
+    its default is written. `recompute_ratio="auto"`: the ratio tuned for the tier each chunk is
+    loaded from; `decode_capacity`: the share of the prompt's rows the decode attends.
     """
 
     selector: str | None = None
@@ -63,6 +64,7 @@ class FusionRequest:
     enabled: bool = True
     sink_tokens: int | None = None
     overlap_loads: bool | None = None
+    decode_capacity: float | None = None
 
     def custom_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"fusion": self.enabled}
@@ -71,6 +73,7 @@ class FusionRequest:
             "fusion_recompute_ratio": self.recompute_ratio,
             "fusion_sink_tokens": self.sink_tokens,
             "fusion_overlap_loads": self.overlap_loads,
+            "fusion_decode_capacity": self.decode_capacity,
         }
         params.update({key: value for key, value in optional.items() if value is not None})
         return params
@@ -94,10 +97,13 @@ class FusionEndpoint(sgl.RuntimeEndpoint):
         recompute_ratio: float | Literal["auto"] | None = None,
         enabled: bool = True,
         sink_tokens: int | None = None,
+        decode_capacity: float | None = None,
     ) -> Iterator[FusionRequest]:
         """Fusion options for the programs run inside the block."""
         previous = self.fusion_request
-        self.fusion_request = FusionRequest(selector, recompute_ratio, enabled, sink_tokens)
+        self.fusion_request = FusionRequest(
+            selector, recompute_ratio, enabled, sink_tokens, decode_capacity=decode_capacity
+        )
         try:
             yield self.fusion_request
         finally:

@@ -38,6 +38,10 @@ def test_defaults_and_overrides() -> None:
     assert parse_options({"fusion_selector": "epic", "other_key": 3}, DEFAULTS).selector == "epic"
     assert parse_options({"fusion_sink_tokens": 4}, DEFAULTS).sink_tokens == 4
     assert not parse_options({"fusion_overlap_loads": False}, DEFAULTS).overlap_loads
+    assert parse_options(None, DEFAULTS).decode_capacity is None  # the decode reads every row
+    assert parse_options({"fusion_decode_capacity": 0.25}, DEFAULTS).decode_capacity == 0.25
+    with_capacity = ExtensionSettings(fusion_decode_capacity=0.5)
+    assert parse_options({"fusion": True}, with_capacity).decode_capacity == 0.5
     with_sinks = ExtensionSettings(fusion_sink_tokens=2)
     assert parse_options({"fusion": True}, with_sinks).sink_tokens == 2
 
@@ -47,6 +51,7 @@ def test_frontend_sends_only_the_options_it_sets() -> None:
 
     assert FusionRequest().custom_params() == {"fusion": True}  # the server's defaults apply
     assert FusionRequest(sink_tokens=4).custom_params()["fusion_sink_tokens"] == 4
+    assert FusionRequest(decode_capacity=0.25).custom_params()["fusion_decode_capacity"] == 0.25
     assert FusionRequest("epic", 0.3).custom_params() == {
         "fusion": True,
         "fusion_selector": "epic",

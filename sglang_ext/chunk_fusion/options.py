@@ -57,7 +57,7 @@ class FusionOptions(BaseModel):
     sink_tokens: SinkTokens = Field(alias=SINK_KEY)
     overlap_loads: bool = Field(alias=OVERLAP_KEY)
     # None: the decode attends every prompt token; a share in (0, 1]: decode-time eviction.
-    decode_capacity: DecodeCapacity | None = Field(alias=DECODE_CAPACITY_KEY)
+    decode_capacity: DecodeCapacity | None = Field(None, alias=DECODE_CAPACITY_KEY)
 
 
 def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOptions:
