@@ -75,12 +75,18 @@ def kept_positions(scores: torch.Tensor, keep_whole: torch.Tensor, capacity: int
 def evict(kv: KVCache, kept: torch.Tensor) -> KVCache:
     """The prompt KV with only each layer's and head's `kept` rows [L, Hkv, C]; row i of head h
     holds that head's i-th kept token. New tokens go on at position N."""
-    heads = torch.arange(kept.shape[1], device=kept.device).unsqueeze(1)
-    keys = tuple(k[kept[layer].to(k.device), heads.to(k.device)].transpose(0, 1).contiguous()
+    keys = tuple(_per_head_rows(k, kept[layer]).transpose(0, 1).contiguous()
                  for layer, k in enumerate(kv.keys))
-    values = tuple(v[kept[layer].to(v.device), heads.to(v.device)].transpose(0, 1).contiguous()
+    values = tuple(_per_head_rows(v, kept[layer]).transpose(0, 1).contiguous()
                    for layer, v in enumerate(kv.values))
     return KVCache(keys, values, next_position=kv.position)
+
+
+def _per_head_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows [S, Hkv, D], index [Hkv, C] (row numbers per head) -> head h's rows [Hkv, C, D]."""
+    index = index.to(rows.device).long()
+    heads = torch.arange(index.shape[0], device=rows.device).unsqueeze(1)
+    return rows[index, heads]
 
 
 def keep_whole_mask(segments: Sequence[Segment]) -> torch.Tensor:
@@ -101,6 +107,6 @@ def compact_kept(cache: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor, f
     heads = torch.arange(kept.shape[0], device=kept.device).unsqueeze(1)
     if first and not torch.equal(kept[:, :first], heads.new_tensor(range(first)).expand(kept.shape[0], -1)):
         raise ValueError("every head must keep the shared positions below `first` whole")
-    rows = cache[slots[kept].long(), heads]  # [Hkv, C, D], gathered before any write
+    rows = _per_head_rows(cache, slots[kept])  # [Hkv, C, D], gathered before any write
     target = slots[first : kept.shape[1]].long().expand(kept.shape[0], -1)
     cache[target, heads] = rows[:, first:]

@@ -27,10 +27,11 @@ from sglang_hicache_ext.fusion.attention import gather_attend
 from sglang_hicache_ext.fusion.decode_eviction import (
     capacity_tokens,
     compact_kept,
+    keep_whole_mask,
     kept_positions,
 )
 from sglang_hicache_ext.fusion.executor import FusionResult
-from sglang_hicache_ext.fusion.request import Segment, after_exact_prefix, build_layout
+from sglang_hicache_ext.fusion.request import Segment, after_exact_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def keep_for_decode(
         logger.warning("fusion_decode_capacity not applied (%s); decoding all rows", unsupported)
         return {"decode_eviction": unsupported}
     assert result.window_scores is not None, "the fused prefill was not asked for window scores"
-    whole = ~build_layout(after_exact_prefix(segments, result.prefix_tokens)).is_chunk
+    whole = keep_whole_mask(after_exact_prefix(segments, result.prefix_tokens))
     positions = kept_positions(
         result.window_scores, whole, capacity_tokens(capacity, result.num_tokens)
     )
