@@ -14,7 +14,10 @@ the local disk tier, throttled to the rate of `benchmarks/results/fusion_tiers.j
   lru#int4    the same, int4;
   evicpress   per context the (tier, codec) of EvicPress's greedy knapsack (Algorithm 1) over
               (alpha * quality - TTFT) * frequency, never below `--quality-floor`; host memory
-              holds what the placement put there (`chunk_promote_on_read: false`).
+              holds what the placement put there (`chunk_promote_on_read: false`);
+  live        dense chunks and LRU during the warm-up, then the server's own placement round
+              (`POST /hicache_ext/placement`: probes every chunk, places per chunk;
+              `benchmarks/placement_live.py`).
 
 Quality of a context under a codec is the profile of `fusion_retention_qwen_codecs.json`: token
 F1 of Qwen2.5-0.5B's answer to the context's real question with the codec's chunks against its
@@ -41,6 +44,7 @@ from typing import Any, NamedTuple
 import requests
 from tqdm import tqdm
 
+from benchmarks.placement_live import place_live
 from benchmarks.smollm2_server import (
     MODEL,
     RESULTS,
@@ -54,7 +58,7 @@ from sglang_hicache_ext.tuning.placement.greedy import place
 from sglang_hicache_ext.tuning.placement.options import ContextCosts, TierSpeed, context_profile
 from sglang_hicache_ext.tuning.ratio.server_probe import timed_generate
 
-POLICIES = ("lru", "lru#int8", "lru#int4", "evicpress")
+POLICIES = ("lru", "lru#int8", "lru#int4", "evicpress", "live")
 CODECS = ("none", "int8", "int4")
 RATIO = 0.15
 UNLIMITED = {"chunk_registrations_per_minute": 0}  # hundreds of chunks are registered at once
@@ -177,8 +181,10 @@ def run_policy(
     budget: int,
     throttle: int,
     plan: dict[str, tuple[str | None, str]] | None,
+    plan_args: tuple[float, float] = (20.0, 0.9),
 ) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=f"bench-placement-{policy.replace('#', '-')}-"))
+    live = None if policy != "live" else {"alpha": plan_args[0], "quality_floor": plan_args[1]}
     settings = {
         "chunk_store_bytes": budget,
         "chunk_disk_dir": str(folder / "chunks"),
@@ -194,13 +200,17 @@ def run_policy(
     else:
         stored = random.Random(7).sample(stored, len(stored))
     sizes: dict[str, int] = {}
+    chunk_ids: dict[str, list[str]] = {}
     rows = []
+    round_info = None
     with smollm2_server(f"placement-{policy}", env=_settings_env(folder, settings)) as config:
         for context in tqdm(stored, desc=f"{policy} register", unit="ctx", disable=None):
-            sizes[context.qid] = sum(
-                _register(config.url, d, codec_of[context.qid])["nbytes"] for d in context.documents
-            )
+            infos = [_register(config.url, d, codec_of[context.qid]) for d in context.documents]
+            sizes[context.qid] = sum(info["nbytes"] for info in infos)
+            chunk_ids[context.qid] = [info["id"] for info in infos]
         for step, index in enumerate(tqdm(trace, desc=policy, unit="req", disable=None)):
+            if step == warmup and live is not None:
+                codec_of, round_info = place_live(config.url, chunk_ids, **live)
             context = contexts[index]
             seconds, info = _request(config.url, context.prompt)
             if step < warmup:
@@ -229,25 +239,32 @@ def run_policy(
         "stored_bytes_by_context": sizes,
         "codecs": dict(Counter(codec_of[c.qid] for c in stored)),
         "recomputed_contexts": len(contexts) - len(stored),
+        "placement_round": round_info,
         "requests": rows,
     }
 
 
+ADAPTIVE = ("evicpress", "live")
+
+
 def summarize(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """EvicPress against the fixed policies within 1 quality point of it."""
-    ours = policies.get("evicpress")
-    if ours is None:
-        return {}
-    fixed = {k: v for k, v in policies.items() if k != "evicpress"}
-    near = {k: v for k, v in fixed.items() if v["mean_quality"] >= ours["mean_quality"] - 0.01}
-    best = min(near, key=lambda k: near[k]["mean_ttft_s"]) if near else None
-    return {
-        "best_fixed_within_1_point": best,
-        "ttft_ratio_best_fixed_over_evicpress": None
-        if best is None
-        else near[best]["mean_ttft_s"] / ours["mean_ttft_s"],
-        "ttft_ratio_by_policy": {k: v["mean_ttft_s"] / ours["mean_ttft_s"] for k, v in fixed.items()},
-    }
+    """Each adaptive policy against the fixed policies within 1 quality point of it."""
+    fixed = {k: v for k, v in policies.items() if k not in ADAPTIVE}
+    summary = {}
+    for name in ADAPTIVE:
+        ours = policies.get(name)
+        if ours is None:
+            continue
+        near = {k: v for k, v in fixed.items() if v["mean_quality"] >= ours["mean_quality"] - 0.01}
+        best = min(near, key=lambda k: near[k]["mean_ttft_s"]) if near else None
+        summary[name] = {
+            "best_fixed_within_1_point": best,
+            "ttft_ratio_best_fixed_over_ours": None
+            if best is None
+            else near[best]["mean_ttft_s"] / ours["mean_ttft_s"],
+            "ttft_ratio_by_policy": {k: v["mean_ttft_s"] / ours["mean_ttft_s"] for k, v in fixed.items()},
+        }
+    return summary
 
 
 def main() -> int:
@@ -282,7 +299,14 @@ def main() -> int:
     )
     for policy in args.policies.split(","):
         results[policy] = run_policy(
-            policy, contexts, trace, args.warmup, budget, throttle, plan if policy == "evicpress" else None
+            policy,
+            contexts,
+            trace,
+            args.warmup,
+            budget,
+            throttle,
+            plan if policy == "evicpress" else None,
+            (args.alpha, args.quality_floor),
         )
         print(policy, {k: results[policy][k] for k in ("mean_ttft_s", "mean_quality", "chunk_hits_by_tier")})
         args.out.with_suffix(".partial.json").write_text(json.dumps(results) + "\n")

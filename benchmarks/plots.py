@@ -283,7 +283,8 @@ def plot_placement(results_file: Path, out: Path) -> Path | None:
     figure, axes = plt.subplots(figsize=(7.0, 4.0), dpi=DPI)
     names = list(policies)
     ttfts = [policies[name]["mean_ttft_s"] for name in names]
-    bars = axes.bar(names, ttfts, color=["tab:grey", "tab:blue", "tab:cyan", "tab:orange"][: len(names)])
+    colors = ["tab:grey", "tab:blue", "tab:cyan", "tab:orange", "tab:red"]
+    bars = axes.bar(names, ttfts, color=colors[: len(names)])
     for bar, name in zip(bars, names, strict=True):
         row = policies[name]
         hits = row["chunk_hits_by_tier"]

@@ -34,6 +34,18 @@ def f1_score(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def mean_answer_f1(reference: Sequence[str], answers: Sequence[str]) -> float:
+    """Mean token F1 of `answers` against `reference`, pair by pair (1.0: the same answers); two
+    empty answers are the same answer (the formula alone gives them 0)."""
+    if len(reference) != len(answers) or not reference:
+        raise ValueError(f"need as many answers as references, got {len(answers)} / {len(reference)}")
+    scores = [
+        1.0 if not (ref.strip() or got.strip()) else f1_score(got, ref)
+        for ref, got in zip(reference, answers, strict=True)
+    ]
+    return sum(scores) / len(scores)
+
+
 @lru_cache(maxsize=1)
 def _minilm() -> tuple[Any, Any]:
     from transformers import AutoModel, AutoTokenizer

@@ -196,6 +196,7 @@ def _chunk_registry(
         disk=disk,
         remote=remote,
         promote_on_read=settings.chunk_promote_on_read,
+        disk_read_bytes_per_s=settings.chunk_disk_read_bytes_per_s or None,
     )
     return registry, ""
 

@@ -101,6 +101,15 @@ def test_bad_registrations_are_400_and_server_keeps_serving(hicache_server, body
     )
 
 
+def test_placement_without_a_chunk_disk_is_404(hicache_server) -> None:
+    response = requests.post(hicache_server.url + "/hicache_ext/placement", json={}, timeout=60)
+    assert response.status_code == 404 and "needs a disk tier (chunk_disk_dir)" in response.json()["error"]
+    bad = requests.post(hicache_server.url + "/hicache_ext/placement", json={"alpha": -2}, timeout=60)
+    assert bad.status_code == 400 and '"alpha" must be >= 0' in bad.json()["error"]
+    status = requests.get(hicache_server.url + "/hicache_ext/placement", timeout=30).json()
+    assert status["rounds"] == 0 and status["last"] is None
+
+
 def test_probe_out_of_range_is_400(hicache_server) -> None:
     chunk = requests.post(
         hicache_server.url + "/chunks", json={"text": DOCUMENT}, timeout=120

@@ -225,6 +225,26 @@ class TieredChunkStore(Generic[V]):
             self.remote.remove(key)  # for every server sharing it
         return True
 
+    def replace_in_host(self, key: str, chunk: V | None) -> tuple[bool, list[str]]:
+        """Make host memory hold `chunk` as `key` (a placement's form of it), or not hold `key`
+        (None) while a lower tier does; with the keys no tier holds any more. False (nothing
+        changed) while a request pins it, when host memory cannot take it, or when dropping it
+        would lose it."""
+        if chunk is None:
+            if key not in self.host:
+                return True, []
+            if self.tiers_of(key) == [HOST]:
+                return False, []  # the only copy
+            if not self.host.remove(key):
+                return False, []
+            self._add("demotions")
+            return True, []
+        try:
+            evicted = self.host.put(key, chunk)
+        except StoreFullError:
+            return False, []
+        return True, self._settle(evicted)
+
     # -- reads by requests -----------------------------------------------------------------
 
     def pin(self, key: str) -> tuple[Pinned | None, list[str]]:

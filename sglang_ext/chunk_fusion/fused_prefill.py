@@ -32,6 +32,7 @@ from typing import Any
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_forward import run_fused_batch
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY, parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import check_probe_params
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
     FusionRuntime,
     count_fallbacks,
@@ -88,6 +89,7 @@ def validate_request(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any
                 raise ValueError(
                     f"custom_params.{REGISTER_PARAM} is internal; register chunks with POST /chunks"
                 )
+            check_probe_params(custom)
             parse_options(custom, settings)
 
 

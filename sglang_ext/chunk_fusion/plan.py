@@ -23,6 +23,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import probe_form_of
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.setting_types import AUTO_RATIO
@@ -236,9 +237,13 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     plan.fallback = _fallback_reason(rt, req)
     if plan.fallback is not None:
         return
-    held = pinned_chunk_segments(rt.registry, list(req.origin_input_ids))
+    tokens = list(req.origin_input_ids)
+    probe_form = probe_form_of(req)
+    held = pinned_chunk_segments(rt.registry, tokens, probe_form)
     plan.segments, plan.pinned, plan.chunk_tiers = held.segments, held.pinned, held.tiers
     tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched
+    if plan.pinned and probe_form is None:  # what the placement learns from real requests
+        rt.registry.placement.usage.record(plan.pinned, tokens[_last_chunk_end(plan.segments) :])
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
     elif plan.options is not None and plan.options.recompute_ratio == AUTO_RATIO:
@@ -350,8 +355,12 @@ class WholeFetches(NamedTuple):
     seconds: float = 0.0
 
 
-def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedSegments:
-    """The prompt as text and chunk segments, with the matched chunks pinned (callers unpin).
+def pinned_chunk_segments(
+    registry: ChunkRegistry, tokens: list[int], probe_form: str | None = None
+) -> PinnedSegments:
+    """The prompt as text and chunk segments, with the matched chunks pinned (callers unpin);
+    with `probe_form`, each chunk's registered rows through that form's codec (a placement
+    probe).
 
     A chunk evicted or deleted since matching is skipped: its tokens are computed like text."""
     segments: list[Segment] = []
@@ -363,7 +372,8 @@ def pinned_chunk_segments(registry: ChunkRegistry, tokens: list[int]) -> PinnedS
     metrics = extension_metrics()
     for match in registry.index.find(tokens):
         began = time.perf_counter()
-        held = registry.pin(match.chunk_id)
+        chunk_id = match.chunk_id
+        held = registry.pin(chunk_id) if probe_form is None else registry.pin_form(chunk_id, probe_form)
         if held is not None and held.tier != HOST and not held.streamed:  # fetched whole
             fetched = WholeFetches(
                 fetched.nbytes + held.chunk.nbytes,

@@ -26,6 +26,10 @@ from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
+    PlacementControl,
+    form_name,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
@@ -109,6 +113,7 @@ class ChunkRegistry:
         stream_from_disk: bool = True,
         remote: ChunkRemoteTier | None = None,
         promote_on_read: bool = True,
+        disk_read_bytes_per_s: float | None = None,
     ) -> None:
         self.index = ChunkIndex()
         # Streamed: a request reads only the disk rows it reuses, layer by layer under the
@@ -129,6 +134,9 @@ class ChunkRegistry:
         self._summaries: dict[str, ChunkSummary] = {}
         # Bumped whenever the set of registered chunks changes (admission caches its matches).
         self.generation = 0
+        # Read counts and questions of real requests, probes and the host forms a placement
+        # chose (`placement_control.py`).
+        self.placement = PlacementControl(self, disk_read_bytes_per_s)
         self.restored = self._index_stored_chunks()
 
     def _index_stored_chunks(self) -> int:
@@ -160,6 +168,7 @@ class ChunkRegistry:
 
     def forget(self, chunk_ids: list[str]) -> None:
         """Drop chunks no tier holds any more from the index and the listing."""
+        self.placement.forget(chunk_ids)
         for chunk_id in chunk_ids:
             self._summaries.pop(chunk_id, None)
             if chunk_id in self.index:
@@ -176,8 +185,29 @@ class ChunkRegistry:
             self._report_stored_bytes()
         return None if pinned is None else pinned._replace(chunk=readable(pinned.chunk))
 
+    def pin_form(self, chunk_id: str, form: str) -> Pinned | None:
+        """A probe's copy of the chunk's registered rows through `form` (see `pin`)."""
+        return self.placement.pin_form(chunk_id, form)
+
     def unpin(self, chunk_id: str) -> None:
-        self.store.unpin(chunk_id)
+        if not self.placement.release_probe(chunk_id):
+            self.store.unpin(chunk_id)
+
+    def registered_codec(self, chunk_id: str) -> str | None:
+        """How the chunk was registered: the form every lower tier keeps (None: dense)."""
+        summary = self._summaries.get(chunk_id)
+        return None if summary is None else summary.codec
+
+    def host_form(self, chunk_id: str) -> str | None:
+        """The form host memory holds the chunk in ("none": dense), None when it holds none."""
+        chunk = self.store.host.peek(chunk_id)
+        if chunk is None:
+            return None
+        return form_name(chunk.header.codec if isinstance(chunk, StoredBlob) else None)
+
+    @staticmethod
+    def as_host_chunk(stored: ChunkTensors | StoredBlob) -> HostChunk:
+        return host_chunk(stored)
 
     def capture(
         self,
@@ -247,6 +277,8 @@ class ChunkRegistry:
         tiers = self.store.tiers_of(chunk_id)
         if summary is None or not tiers:
             return None
+        host_form = self.host_form(chunk_id) if tiers[0] == "host" else None
+        read_form = summary.codec if host_form is None else host_form
         return {
             "id": chunk_id,
             "num_tokens": summary.num_tokens,
@@ -254,7 +286,10 @@ class ChunkRegistry:
             "num_layers": summary.num_layers,
             "tier": tiers[0],  # where a request would load it from
             "tiers": tiers,
-            "codec": summary.codec,  # how every tier stores it; None: dense rows
+            # The form a request reads in `tier` (a placement may hold host memory's copy more
+            # compressed than the registered rows the lower tiers keep); None: dense rows.
+            "codec": None if read_form == "none" else read_form,
+            "registered_codec": summary.codec,
         }
 
     def describe(self, chunk_id: str) -> dict[str, Any] | None:
@@ -331,6 +366,8 @@ class ChunkRegistry:
                     str(body["id"]), int(body["probe_layer"]), int(body["probe_token"])
                 )
             return [{"chunk": info}]
+        if name.startswith("placement."):
+            return [self.placement.handle(name[len("placement.") :], body)]
         if name == "delete_chunk":
             return [{"deleted": self.delete(str(body.get("id", "")))}]
         raise ValueError(f"unknown hicache_ext control method {method!r}")

@@ -235,10 +235,10 @@ async def register_chunk(request: Request) -> JSONResponse:
     try:
         known = (await _control("describe_chunk", {"id": chunk_id})).get("chunk")
         if known is not None:
-            if "codec" in body and known.get("codec") != codec:
+            if "codec" in body and known.get("registered_codec") != codec:
                 return _error(
                     409,
-                    f"chunk {chunk_id[:12]} is stored with codec {known.get('codec')!r}; "
+                    f"chunk {chunk_id[:12]} is stored with codec {known.get('registered_codec')!r}; "
                     f"DELETE /chunks/{chunk_id} first to store it with {codec!r}",
                 )
             return JSONResponse({**known, "created": False})
@@ -373,3 +373,6 @@ def register_routes() -> None:
     app.add_api_route("/chunks/{chunk_id}", admin(delete_chunk), methods=["DELETE"])
     app.add_api_route("/hicache_ext/storage", normal(storage_status), methods=["GET"])
     app.add_api_route("/hicache_ext/storage/ttl", admin(storage_ttl), methods=["POST"])
+    from sglang_hicache_ext.sglang_ext.server import placement_routes
+
+    placement_routes.add_routes(app, normal, admin)

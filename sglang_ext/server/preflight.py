@@ -204,7 +204,7 @@ def launched_from_command_line() -> bool:
     ).name == "sglang"
 
 
-def run_checks(server_args: Any, serving_http: bool) -> None:
+def run_checks(server_args: Any, serving_http: bool) -> ExtensionSettings:
     """Settings are always checked; `preflight_checks = false` skips the model and port checks."""
     settings = check_settings(server_args)
     check_disk_tier(server_args)
@@ -212,10 +212,11 @@ def run_checks(server_args: Any, serving_http: bool) -> None:
     check_chunk_mooncake(settings)
     check_ratio_table(settings, str(server_args.model_path))
     if not settings.preflight_checks:
-        return
+        return settings
     check_model_path(str(server_args.model_path))
     if serving_http:
         check_port_free(server_args.host, server_args.port)
+    return settings
 
 
 _checked: set[int] = set()
@@ -228,9 +229,14 @@ def before_resolve(server_args: Any, *args: Any, **kwargs: Any) -> None:
     _checked.add(id(server_args))
     from_cli = launched_from_command_line()
     try:
-        run_checks(server_args, serving_http=from_cli)
+        settings = run_checks(server_args, serving_http=from_cli)
     except PreflightError as err:
         if not from_cli:
             raise
         print(f"sglang-hicache-ext: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    interval = settings.chunk_placement_interval_s
+    if from_cli and interval is not None and server_args.radix_cache_backend == "hicache_ext":
+        from sglang_hicache_ext.sglang_ext.server.placement_routes import start_timer
+
+        start_timer(server_args, interval)

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
+from sglang_hicache_ext.sglang_ext.server.extra_config import SettingsError, read_extra_config
 from sglang_hicache_ext.sglang_ext.server.setting_types import (
     AUTO_RATIO,
     RATIO_CHOICES,
@@ -36,10 +37,6 @@ from sglang_hicache_ext.sglang_ext.server.setting_types import (
 
 CONFIG_ENV_VAR = "SGLANG_HICACHE_EXT_CONFIG"
 EXTRA_CONFIG_KEY = "hicache_ext_config"
-
-
-class SettingsError(ValueError):
-    """A settings file or value that the extension refuses to start with."""
 
 
 class ExtensionSettings(BaseModel):
@@ -124,6 +121,27 @@ class ExtensionSettings(BaseModel):
         description="Put a chunk read from disk or Mooncake into host memory (LRU); false keeps "
         "host memory to the chunks registered into it (a placement decides what it holds).",
     )
+    chunk_placement_interval_s: float | None = Field(
+        None,
+        gt=0,
+        description="Re-place chunks every this many seconds (needs chunk_disk_dir): probe "
+        "each chunk's answers under each codec, then choose what host memory holds of it "
+        "(dense, int8, int4 or nothing; the disk keeps its registered rows) by the utility "
+        "(alpha * quality - TTFT) * frequency. Null: only when POST /chunks/placement asks.",
+    )
+    chunk_placement_alpha: float = Field(
+        20.0,
+        ge=0,
+        description="Seconds of TTFT that one unit of answer quality is worth in the "
+        "placement's utility (POST /chunks/placement \"alpha\" overrides it).",
+    )
+    chunk_placement_quality_floor: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="The placement never keeps a chunk in a form whose probed answers score "
+        "below this token F1 against its registered rows' answers.",
+    )
     fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
     # question_error with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B
     # (teacher-forced KL gap closed 0.44 vs a3 0.15, 200 HotpotQA questions, docs/fusion-quality.md)
@@ -189,6 +207,15 @@ class ExtensionSettings(BaseModel):
                     if named
                     else f"{setting} is set but chunk_tiers leaves out '{tier}'"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _placement_has_a_disk(self) -> ExtensionSettings:
+        if self.chunk_placement_interval_s is not None and not self.chunk_disk_dir:
+            raise ValueError(
+                "chunk_placement_interval_s needs chunk_disk_dir (the disk keeps every chunk's "
+                "registered rows while host memory holds the placed form)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -296,51 +323,6 @@ def read_settings_file(path: str | os.PathLike[str]) -> ExtensionSettings:
     if not isinstance(values, dict):
         raise SettingsError(f"settings file {path}: the top level must be a table/object")
     return ExtensionSettings.from_mapping(values, source=str(path))
-
-
-def read_extra_config(extra_config: str | Mapping[str, Any] | None) -> dict[str, Any]:
-    """SGLang's `--hicache-storage-backend-extra-config` as an object: inline JSON, or `@path`
-    to a .json, .toml or .yaml/.yml file (the forms SGLang's HiCache controller accepts)."""
-    if extra_config is None:
-        return {}
-    if isinstance(extra_config, Mapping):
-        return dict(extra_config)
-    source = "--hicache-storage-backend-extra-config"
-    if extra_config.startswith("@"):
-        path = Path(extra_config[1:]).expanduser()
-        source = f"{source} {extra_config}"
-        suffix = path.suffix.lower()
-        try:
-            text = path.read_text()
-        except OSError as err:
-            raise SettingsError(f"{source}: cannot read the file ({err.strerror})") from err
-        try:
-            if suffix == ".json":
-                value = json.loads(text)
-            elif suffix == ".toml":
-                value = tomllib.loads(text)
-            elif suffix in (".yaml", ".yml"):
-                import yaml
-
-                value = yaml.safe_load(text)
-            else:
-                raise SettingsError(f"{source}: use a .json, .toml or .yaml file")
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
-            raise SettingsError(f"{source}: not valid {suffix[1:].upper()}: {err}") from err
-        except ImportError as err:  # PyYAML is optional, as in SGLang
-            raise SettingsError(f"{source}: reading YAML needs PyYAML") from err
-        except Exception as err:  # yaml.YAMLError, without importing yaml for the other formats
-            raise SettingsError(f"{source}: not valid YAML: {err}") from err
-    else:
-        try:
-            value = json.loads(extra_config) if extra_config.strip() else {}
-        except json.JSONDecodeError as err:
-            raise SettingsError(f"{source}: not valid JSON: {err}") from err
-    if value is None:  # an empty YAML file
-        return {}
-    if not isinstance(value, dict):
-        raise SettingsError(f"{source}: must be a JSON object / TOML table")
-    return value
 
 
 def settings_from_extra_config(

@@ -64,8 +64,8 @@ def place(
                     drop = value(key, current) - value(key, option)
                     if best is None or (drop, -option.nbytes) < (best.utility_drop, -best.after.nbytes):
                         best = Move(key, current, option, drop)
-            if best is None:  # cannot happen: recomputing is always an option
-                raise RuntimeError(f"tier {tier}: no context can leave it")
+            if best is None:  # only without recomputing, when the slowest tier overfills
+                raise RuntimeError(f"tier {tier} is over its capacity and no context can leave it")
             chosen[best.key] = best.after
             moves.append(best)
     total = sum(value(key, option) for key, option in chosen.items())

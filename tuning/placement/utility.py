@@ -35,11 +35,14 @@ class ContextProfile:
     key: str
     frequency: float  # accesses per unit of time (or in the window profiled)
     options: tuple[Option, ...]
+    # False: the slowest tier keeps every context whatever the placement chooses (a server
+    # whose disk keeps every chunk), so recomputing is not an option to offer.
+    recomputable: bool = True
 
     def __post_init__(self) -> None:
         if self.frequency < 0:
             raise ValueError(f"{self.key}: frequency must be >= 0, got {self.frequency}")
-        if not any(not option.stored for option in self.options):
+        if self.recomputable and not any(not option.stored for option in self.options):
             raise ValueError(f"{self.key}: the options must include recomputing (tier None)")
 
 

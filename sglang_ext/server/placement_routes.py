@@ -1,0 +1,128 @@
+"""The chunk placement's HTTP routes and its timer (launching process).
+
+- `POST /hicache_ext/placement` `{}` or `{"alpha": A, "quality_floor": Q, "profile_chunks": N}`:
+  run a placement round now (`placement_round.py`) and answer its result; alpha (>= 0, seconds
+  of TTFT one unit of quality is worth) and the floor (in [0, 1]) override the settings for this
+  round, N bounds how many chunks it profiles (default 8, the most read first). 400 on bad
+  values, 404 without a disk tier, 409 while a round runs.
+- `GET /hicache_ext/placement`: rounds so far, profiled chunks, counters, the last result.
+
+With `chunk_placement_interval_s` a daemon thread posts to the first route every interval, as
+an operator would (with the admin key when the server has one), so that a periodic round and
+an asked one are the same code path and cannot run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, NamedTuple
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from sglang_hicache_ext.sglang_ext.server import http_routes
+from sglang_hicache_ext.sglang_ext.server.placement_round import (
+    PROFILE_CHUNKS_PER_ROUND,
+    PlacementRounds,
+    RoundRunning,
+)
+from sglang_hicache_ext.sglang_ext.server.request_limits import (
+    RequestRefused,
+    parse_json,
+    read_bounded_body,
+)
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+
+logger = logging.getLogger(__name__)
+
+_BODY_MAX_BYTES = 4096
+_MAX_PROFILED = 100_000
+ROUNDS = PlacementRounds()
+
+
+def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestRefused(400, f'"{key}" must be a number, got {str(value)[:40]!r}')
+    if not low <= value <= high:
+        bound = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise RequestRefused(400, f'"{key}" must be {bound}, got {value}')
+    return float(value)
+
+
+class RoundParameters(NamedTuple):
+    alpha: float
+    quality_floor: float
+    profile_chunks: int  # how many chunks this round may profile
+
+
+def placement_parameters(body: Any, settings: ExtensionSettings) -> RoundParameters:
+    """One round's parameters: the body's, else the settings' (and the default probe load)."""
+    if not isinstance(body, dict):
+        raise RequestRefused(400, "send a JSON object")
+    unknown = sorted(set(body) - set(RoundParameters._fields))
+    if unknown:
+        raise RequestRefused(400, f"unknown key(s) {', '.join(map(repr, unknown))[:200]}")
+    alpha = _number(body, "alpha", settings.chunk_placement_alpha, 0.0, math.inf)
+    floor = _number(body, "quality_floor", settings.chunk_placement_quality_floor, 0.0, 1.0)
+    limit = body.get("profile_chunks", PROFILE_CHUNKS_PER_ROUND)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= _MAX_PROFILED:
+        raise RequestRefused(400, f'"profile_chunks" must be an integer in [0, {_MAX_PROFILED}], got {str(limit)[:40]!r}')
+    return RoundParameters(alpha, floor, limit)
+
+
+async def run_placement(request: Request) -> JSONResponse:
+    manager = http_routes._tokenizer_manager()
+    settings = http_routes._chunk_limits(manager.server_args.hicache_storage_backend_extra_config).settings
+    try:
+        raw = await read_bounded_body(request, _BODY_MAX_BYTES, "the placement route's limit")
+        parameters = placement_parameters(parse_json(raw) if raw.strip() else {}, settings)
+    except RequestRefused as err:
+        return http_routes._refused(err)
+    try:
+        return JSONResponse(await ROUNDS.run(manager, http_routes._control, *parameters))
+    except RoundRunning as err:
+        return http_routes._error(409, str(err))
+    except http_routes.ControlError as err:
+        return http_routes._control_error(err)
+
+
+async def placement_status() -> JSONResponse:
+    return JSONResponse(ROUNDS.status())
+
+
+def add_routes(app: Any, normal: Any, admin: Any) -> None:
+    app.add_api_route("/hicache_ext/placement", admin(run_placement), methods=["POST"])
+    app.add_api_route("/hicache_ext/placement", normal(placement_status), methods=["GET"])
+
+
+def start_timer(server_args: Any, interval_s: float) -> threading.Thread:
+    """Post a placement round to this server every `interval_s` seconds (daemon thread)."""
+    host = server_args.host if server_args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    url = f"http://{host}:{server_args.port}/hicache_ext/placement"
+    key = server_args.admin_api_key or server_args.api_key
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+
+    def tick() -> None:
+        while True:
+            time.sleep(interval_s)
+            request = urllib.request.Request(url, b"{}", headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=max(600.0, interval_s)) as reply:
+                    result = json.loads(reply.read())
+                logger.debug("periodic chunk placement: %s", result.get("outcomes"))
+            except (urllib.error.URLError, OSError, ValueError) as err:  # server not up yet, busy
+                logger.warning("periodic chunk placement round failed: %s", err)
+
+    thread = threading.Thread(target=tick, name="chunk-placement-timer", daemon=True)
+    thread.start()
+    logger.info("chunk placement every %.0f s (%s)", interval_s, url)
+    return thread
