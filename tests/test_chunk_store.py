@@ -41,6 +41,20 @@ def test_pinned_entries_survive_and_full_store_refuses() -> None:
         store.put("huge", Blob(101))
 
 
+def test_puts_that_must_not_evict_or_replace() -> None:
+    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store.put("a", Blob(60))
+    with pytest.raises(StoreFullError):
+        store.put("b", Blob(60), evict=False)  # would need a's room
+    assert "a" in store and "b" not in store and store.stats().evictions == 0
+    assert store.put("a", Blob(10), if_absent=True) == []
+    assert store.peek("a") == Blob(60)  # left as it was
+    store.put("a", Blob(30), evict=False)  # a replace counts the old value's room as free
+    assert store.peek("a") == Blob(30) and store.stats().bytes_used == 30
+    store.pin("a")
+    assert store.pinned("a") and not store.pinned("b")
+
+
 def test_failed_replace_keeps_the_old_value() -> None:
     store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
     store.put("a", Blob(30))

@@ -256,6 +256,8 @@ def test_without_promotion_reads_leave_host_memory_as_placed(tmp_path: Path, str
     assert store.tiers_of(key) == ["disk"]
     assert store.tiers_of(placed_in_host.content_hash) == ["host", "disk"]
     assert store.stats().promotions == 0 and store.stats().lookups["disk"] == 3
+    # A promotion queued before a placement turned promotion off stands down when it runs.
+    assert store.promote(key) is False and store.tiers_of(key) == ["disk"]
 
 
 def _whole(chunk: object) -> PrecomputedChunk:

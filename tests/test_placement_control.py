@@ -46,7 +46,7 @@ def test_inputs_report_every_form_and_the_reads(tmp_path: Path) -> None:
     for chunk_id in held.pinned:
         registry.unpin(chunk_id)
     registry.placement.usage.record(held.pinned, [9, 8, 7])
-    inputs = registry.handle_control("hicache_ext.placement.inputs", {"end_round": True})[0]
+    inputs = registry.handle_control("hicache_ext.placement.inputs", {})[0]
     by_id = {c["id"]: c for c in inputs["chunks"]}
     assert set(by_id) == {c.content_hash for c in chunks}
     first = by_id[chunks[0].content_hash]
@@ -55,8 +55,11 @@ def test_inputs_report_every_form_and_the_reads(tmp_path: Path) -> None:
     assert first["nbytes"]["int4"] < first["nbytes"]["int8"] < 0.5 * chunks[0].nbytes  # tiny: headers
     assert first["decode_s"]["none"] == 0.0 and first["decode_s"]["int8"] > 0
     assert (first["frequency"], first["questions"]) == (1.0, [[9, 8, 7]])
+    assert not first["estimated"]  # three small chunks: measured within the budget
     assert inputs["capacities"] == {"host": 10 * chunks_bytes(), "disk": 10**8}
-    assert inputs["disk_bytes_per_s"] > 0
+    assert inputs["host_bytes_outside"] == 0 and inputs["disk_bytes_per_s"] > 0
+    # An applied round turns its reads into history (halved at the next round).
+    registry.handle_control("hicache_ext.placement.apply", {"forms": {}})
     again = registry.handle_control("hicache_ext.placement.inputs", {})[0]
     assert {c["id"]: c["frequency"] for c in again["chunks"]}[chunks[0].content_hash] == 0.5
 
@@ -71,10 +74,14 @@ def test_probe_rows_are_the_registered_rows_through_the_codec(tmp_path: Path) ->
         for layer in range(chunks[1].num_layers):
             for got, want in zip(_rows(pinned.chunk, layer), _rows(expected, layer), strict=True):
                 assert torch.equal(got, want)
-        registry.unpin(key)  # the probe's own copy: host memory's pins are untouched
+        registry.unpin(key, probe=True)  # the probe's own copy: host memory's pins untouched
     assert registry.store.host.stats().hits == 0
+    with pytest.raises(ValueError, match="not held by a probe"):
+        registry.unpin(key, probe=True)
     with pytest.raises(ValueError, match="not pinned"):
         registry.unpin(key)
+    assert registry.pin_form(key, "zstd") is None  # refused (counted), never raised into a forward
+    assert registry.placement.counters["probe_form_refused"] == 1
 
 
 def test_applied_forms_change_host_memory_and_keep_the_disk_rows(tmp_path: Path) -> None:
@@ -95,7 +102,7 @@ def test_applied_forms_change_host_memory_and_keep_the_disk_rows(tmp_path: Path)
     assert held.tiers == {"host": 1}
     registry.unpin(a)
     assert registry.pin_form(a, "none") is not None
-    registry.unpin(a)
+    registry.unpin(a, probe=True)
     # Back to dense: made from the disk's registered rows, exactly.
     registry.handle_control("hicache_ext.placement.apply", {"forms": {a: "none"}})
     restored = registry.store.host.peek(a)
@@ -105,18 +112,41 @@ def test_applied_forms_change_host_memory_and_keep_the_disk_rows(tmp_path: Path)
     assert registry.store.promote_on_read is False
 
 
-def test_a_chunk_in_use_is_not_dropped_and_nothing_is_lost(tmp_path: Path) -> None:
+def test_a_chunk_in_use_is_left_as_it_is_and_nothing_is_evicted(tmp_path: Path) -> None:
     registry, chunks = _registry(tmp_path, 10 * chunks_bytes())
     key = chunks[0].content_hash
     assert registry.pin(key) is not None
-    applied = registry.handle_control("hicache_ext.placement.apply", {"forms": {key: None}})[0]
-    assert applied["outcomes"] == {"busy": 1}
+    for form in (None, "int8"):
+        applied = registry.handle_control("hicache_ext.placement.apply", {"forms": {key: form}})[0]
+        assert applied["outcomes"] == {"busy": 1}
+    assert registry.host_form(key) == "none"
     registry.unpin(key)
     gone = "0" * 64
     applied = registry.handle_control("hicache_ext.placement.apply", {"forms": {gone: "int8"}})[0]
     assert applied["outcomes"] == {"gone": 1}
     with pytest.raises(ValueError, match="cannot be held as"):
         registry.handle_control("hicache_ext.placement.apply", {"forms": {key: "zstd"}})
+
+
+def test_applied_forms_never_evict_and_go_smallest_first(tmp_path: Path) -> None:
+    # Host memory holds two of the three chunks dense: the third cannot grow into it unless
+    # the others shrink first, and a grow that does not fit evicts nothing.
+    registry, chunks = _registry(tmp_path, 2 * chunks_bytes())
+    a, b, c = (chunk.content_hash for chunk in chunks)
+    assert [registry.host_form(k) for k in (a, b, c)] == [None, "none", "none"]
+    registry.handle_control("hicache_ext.placement.inputs", {})
+    applied = registry.handle_control(
+        "hicache_ext.placement.apply", {"forms": {a: "none", b: "int8", c: "int4"}}
+    )[0]
+    assert applied["outcomes"] == {"changed": 3}  # b and c shrank before a grew
+    assert [registry.host_form(k) for k in (a, b, c)] == ["none", "int8", "int4"]
+    applied = registry.handle_control(
+        "hicache_ext.placement.apply", {"forms": {b: "none", c: "none"}}
+    )[0]
+    assert applied["outcomes"] == {"no_room": 2}  # neither fits beside a: nothing evicted
+    assert [registry.host_form(k) for k in (a, b, c)] == ["none", "int8", "int4"]
+    assert registry.store.host.stats().bytes_used <= 2 * chunks_bytes()
+    assert registry.stats()["lost"] == 0 and registry.store.host.stats().evictions == 1
 
 
 def test_without_a_disk_the_placement_is_unavailable() -> None:

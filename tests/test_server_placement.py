@@ -90,8 +90,9 @@ def test_placement_profiles_places_and_survives_a_restart(tiny_llama_path: Path,
             assert _fused(url, question)["fused"]
         for body, message in [
             ({"alpha": -1}, '"alpha" must be >= 0, got -1'),
-            ({"alpha": "high"}, '"alpha" must be a number'),
-            ({"alpha": True}, '"alpha" must be a number'),
+            ({"alpha": "high"}, '"alpha" must be a finite number'),
+            ({"alpha": True}, '"alpha" must be a finite number'),
+            ({"alpha": 10**400}, '"alpha" must be a finite number'),
             ({"quality_floor": 1.5}, '"quality_floor" must be in [0, 1], got 1.5'),
             ({"ratio": 0.5}, "unknown key(s) 'ratio'"),
             ({"profile_chunks": -1}, '"profile_chunks" must be an integer in [0, 100000]'),

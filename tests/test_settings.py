@@ -55,6 +55,7 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
         ("fusion_decode_capacity = 1.5\n", "fusion_decode_capacity = 1.5 must be in (0, 1]"),
         ('fusion_decode_capacity = "all"\n', "fusion_decode_capacity = 'all'"),
         ("chunk_placement_alpha = -1.0\n", "chunk_placement_alpha = -1.0 must be >= 0"),
+        ("chunk_placement_alpha = inf\n", "chunk_placement_alpha = inf must be a finite number"),
         ("chunk_placement_quality_floor = 1.5\n", "chunk_placement_quality_floor = 1.5 must be in [0, 1]"),
         ("chunk_placement_interval_s = 0\n", "chunk_placement_interval_s = 0 must be positive"),
         ("chunk_placement_interval_s = 60\n", "chunk_placement_interval_s needs chunk_disk_dir"),

@@ -102,6 +102,16 @@ def encode_stored(key: str, chunk: ChunkLike, codec: KVCodec | None) -> tuple[by
     return data[:offset], data[offset:]
 
 
+def blob_of(key: str, header: bytes, rows: bytes) -> StoredBlob:
+    """A compressed chunk's encoded bytes as host memory holds them."""
+    return StoredBlob(parse_stored_header(io.BytesIO(header), key, rows_follow=False), header + rows)
+
+
+def compressed_blob(key: str, chunk: ChunkLike, codec: KVCodec) -> StoredBlob:
+    """`chunk` compressed by `codec` as host memory holds it (its stored bytes)."""
+    return blob_of(key, *encode_stored(key, chunk, codec))
+
+
 def through_codec(chunk: ChunkLike, codec: KVCodec) -> ChunkTensors:
     """The rows a tier storing the chunk with `codec` gives back (what every request reads)."""
     keys, values = [], []

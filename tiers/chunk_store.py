@@ -69,8 +69,10 @@ class ChunkStore(Generic[V]):
         with self._lock:
             return list(self._entries.items())
 
-    def put(self, key: str, value: V) -> list[str]:
-        """Store `value`; returns the keys evicted to make room. Re-putting a key replaces it."""
+    def put(self, key: str, value: V, *, evict: bool = True, if_absent: bool = False) -> list[str]:
+        """Store `value`; returns the keys evicted to make room. Re-putting a key replaces it
+        (unless `if_absent`: then a stored key is left as it is). Without `evict`, a value that
+        does not fit in the free bytes is refused (StoreFullError) instead of evicting others."""
         size = int(value.nbytes)
         with self._lock:
             if size > self._capacity:
@@ -78,10 +80,12 @@ class ChunkStore(Generic[V]):
                 raise StoreFullError(
                     f"entry {key[:12]} needs {size} bytes; the store holds {self._capacity}"
                 )
+            if if_absent and key in self._entries:
+                return []
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= int(old.nbytes)
-            evicted = self._make_room(size)
+            evicted = self._make_room(size) if evict else []
             if self._bytes + size > self._capacity:
                 if old is not None:  # keep what was stored: a failed replace must not lose it
                     self._entries[key] = old
@@ -114,6 +118,11 @@ class ChunkStore(Generic[V]):
                 return False
             self._bytes -= int(self._entries.pop(key).nbytes)
             return True
+
+    def pinned(self, key: str) -> bool:
+        """Whether a running request holds `key`."""
+        with self._lock:
+            return self._pins.get(key, 0) > 0
 
     def pin(self, key: str) -> V:
         """Take a reference that keeps the entry resident; KeyError if it is not stored.

@@ -24,7 +24,6 @@ promotion thread may call it.
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 from collections import Counter
@@ -35,7 +34,7 @@ from typing import Any, Generic, NamedTuple
 
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier, ChunkReader
 from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkLike, ChunkTensors
-from sglang_hicache_ext.tiers.chunk_forms import StoredBlob, encode_stored, parse_stored_header
+from sglang_hicache_ext.tiers.chunk_forms import StoredBlob, blob_of, encode_stored
 from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteStats, ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, ChunkStoreStats, StoreFullError, V
 from sglang_hicache_ext.tiers.codecs.base import KVCodec
@@ -198,8 +197,7 @@ class TieredChunkStore(Generic[V]):
             if lower is not None:
                 below = lower.put_stored(key, header, rows) or below
         if codec is not None:
-            parsed = parse_stored_header(io.BytesIO(header), key, rows_follow=False)
-            chunk = self._rebuild(StoredBlob(parsed, header + rows))
+            chunk = self._rebuild(blob_of(key, header, rows))
         try:
             evicted = self.host.put(key, chunk)
         except StoreFullError:
@@ -225,25 +223,27 @@ class TieredChunkStore(Generic[V]):
             self.remote.remove(key)  # for every server sharing it
         return True
 
-    def replace_in_host(self, key: str, chunk: V | None) -> tuple[bool, list[str]]:
+    def replace_in_host(self, key: str, chunk: V | None) -> bool:
         """Make host memory hold `chunk` as `key` (a placement's form of it), or not hold `key`
-        (None) while a lower tier does; with the keys no tier holds any more. False (nothing
-        changed) while a request pins it, when host memory cannot take it, or when dropping it
-        would lose it."""
+        (None) while a lower tier does. False (nothing changed) while a request pins it, when
+        it does not fit in host memory's free bytes (nothing else is evicted for it), or when
+        dropping it would lose it."""
+        if self.host.pinned(key):
+            return False
         if chunk is None:
             if key not in self.host:
-                return True, []
+                return True
             if self.tiers_of(key) == [HOST]:
-                return False, []  # the only copy
+                return False  # the only copy
             if not self.host.remove(key):
-                return False, []
+                return False
             self._add("demotions")
-            return True, []
+            return True
         try:
-            evicted = self.host.put(key, chunk)
+            self.host.put(key, chunk, evict=False)
         except StoreFullError:
-            return False, []
-        return True, self._settle(evicted)
+            return False
+        return True
 
     # -- reads by requests -----------------------------------------------------------------
 
@@ -298,15 +298,17 @@ class TieredChunkStore(Generic[V]):
             self._promote_later(key)
 
     def promote(self, key: str) -> bool:
-        """Read `key` whole from disk into host memory; False if it is there already, gone, or
-        host memory has no room (its pinned chunks fill it)."""
-        if key in self.host or self.disk is None:
+        """Read `key` whole from disk into host memory; False if it is there already, gone,
+        host memory has no room (its pinned chunks fill it), or promotion was turned off since
+        it was queued (a placement decides what host memory holds)."""
+        if key in self.host or self.disk is None or not self.promote_on_read:
             return False
         tensors = self.disk.get(key)
         if tensors is None:
             return False
         try:
-            evicted = self.host.put(key, self._rebuild(tensors))
+            # if_absent: a placement may have put its own form of it meanwhile.
+            evicted = self.host.put(key, self._rebuild(tensors), if_absent=True)
         except StoreFullError:
             return False
         self._add("promotions")

@@ -166,6 +166,8 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
         "tokens_reused": reused,
         "tokens_recomputed": result.num_tokens - prefix_len - reused,
     }
+    if plan.probe_form is not None:
+        info["probe_form"] = plan.probe_form  # a placement probe, not traffic (metrics skip it)
     streamed = [
         segment.chunk
         for segment in plan.segments

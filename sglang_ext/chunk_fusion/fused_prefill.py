@@ -169,7 +169,7 @@ def observe_fused_ttft(original: Any, manager: Any, state: Any, *args: Any, **kw
     if already_observed or not state.ttft_observed:
         return result
     rounds = state.customized_info_accumulated.get(META_KEY) or []
-    if rounds and all(info and info.get("fused") for info in rounds):
+    if rounds and all(info and info.get("fused") and "probe_form" not in info for info in rounds):
         if _ttft_metrics is None:
             _ttft_metrics = FusedTtftMetrics(manager.metrics_collector.labels)
         _ttft_metrics.observe(rounds[-1]["selector"], state.time_stats.get_first_token_latency())

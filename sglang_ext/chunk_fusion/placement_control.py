@@ -2,26 +2,31 @@
 every chunk, the rows a probe reads, and applying the chosen host forms.
 
 Control methods (`hicache_ext.placement.*`, run on the scheduler thread like every control
-request, so nothing here races a forward):
+request, so they never run during a forward; the tiered store's promotion thread is the only
+other writer of host memory, and it stands down once a placement has run):
 
-- `inputs`: every chunk a lower tier holds, with its registered form, the form host memory
-  holds now, its bytes and decode time in each form it may take (measured once per chunk by
-  encoding its registered rows: a chunk's content never changes), its decayed read count and
-  the questions real requests asked with it; the host and disk capacities and the disk's read
-  rate. With `end_round` the round's reads become history (`ChunkUsage.end_round`).
+- `inputs`: every chunk the disk holds, with its registered form, the form host memory holds
+  now, its bytes and decode time in each form it may take (measured by encoding its registered
+  rows, at most `MEASURE_BUDGET_S` of that per call so that the scheduler never stalls; chunks
+  not measured yet get the per-token costs of those that were, marked `estimated`), its decayed
+  read count and the questions real requests asked with it; the host and disk capacities, the
+  host bytes of chunks the disk does not hold (the plan must leave them their room) and the
+  disk's read rate.
 - `tokens`: the token ids of the chunks to probe.
-- `apply`: make host memory hold each chunk in its chosen form (or not at all); the disk
-  keeps the registered rows, so nothing a placement drops from host memory is lost.
+- `apply`: make host memory hold each chunk in its chosen form (or not at all): drops, then
+  shrinks, then grows, nothing evicted for a grow that does not fit (`no_room`), a chunk a
+  running request holds left as it is (`busy`); then the round's reads become history. The
+  disk keeps the registered rows, so a placement never loses a chunk (the disk's own budget
+  may evict it later, as before).
 
-A probe request (`custom_params.hicache_ext_probe_form`) reads a chunk's registered rows from
-the disk, passed through the probed codec: the answers of every form are compared with the
-answers of the registered rows, whatever host memory holds at the time.
+A probe request (`custom_params.hicache_ext_probe_form`) reads a chunk's registered rows passed
+through the probed codec, whatever host memory holds at the time: its answers are compared with
+the answers of the registered rows.
 """
 
 from __future__ import annotations
 
 import contextvars
-import io
 import logging
 import statistics
 import time
@@ -29,12 +34,12 @@ from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.tiers.chunk_file import ChunkTensors
+from sglang_hicache_ext.tiers.chunk_file import CorruptChunkError
 from sglang_hicache_ext.tiers.chunk_forms import (
     BlobReader,
     StoredBlob,
-    encode_stored,
-    parse_stored_header,
+    compressed_blob,
+    decode_chunk,
     stored_codec,
     through_codec,
 )
@@ -55,6 +60,7 @@ probing_placement: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "hicache_ext_probing_placement", default=False
 )
 PROBE_ROWS_KEPT = 12  # (chunk, form) pairs: the probes in flight cover two or three chunks
+MEASURE_BUDGET_S = 0.5  # of encoding and decoding chunks per `inputs` call
 UNAVAILABLE = "chunk placement unavailable: it needs a disk tier (chunk_disk_dir)"
 
 
@@ -80,11 +86,12 @@ def form_name(codec: str | None) -> str:
 
 
 class FormCosts:
-    """A chunk's bytes and decode seconds per form (measured once: its content is fixed)."""
+    """A chunk's bytes and decode seconds per form."""
 
-    def __init__(self, nbytes: dict[str, int], decode_s: dict[str, float]) -> None:
+    def __init__(self, nbytes: dict[str, int], decode_s: dict[str, float], estimated: bool) -> None:
         self.nbytes = nbytes
         self.decode_s = decode_s
+        self.estimated = estimated
 
 
 class PlacementControl:
@@ -93,10 +100,11 @@ class PlacementControl:
         self.usage = ChunkUsage()
         self._disk_bytes_per_s = disk_bytes_per_s  # the throttle, when the disk has one
         self._read_rates: list[float] = []
-        self._costs: dict[str, FormCosts] = {}
+        self._costs: dict[str, FormCosts] = {}  # measured (a chunk's content never changes)
         self._probe_loans: Counter[str] = Counter()
-        # The rows of the last probes: a round probes each form of a chunk with several
-        # questions at once, which would otherwise read and re-encode the chunk every time.
+        # The rows of the last probes, kept for the round (outside host memory's budget): a
+        # round probes each form of a chunk with several questions at once, which would
+        # otherwise read and re-encode the chunk every time.
         self._probe_rows: OrderedDict[tuple[str, str], PrecomputedChunk] = OrderedDict()
         self.counters: Counter[str] = Counter()
 
@@ -104,15 +112,24 @@ class PlacementControl:
 
     def pin_form(self, chunk_id: str, form: str) -> Pinned | None:
         """The chunk's registered rows through `form`'s codec, for one probe request (held by
-        the request alone; `unpin` balances)."""
+        the request alone; `release_probe` balances). None when the chunk cannot take the form
+        or its rows cannot be read (logged, counted): the probe then reports a fallback."""
+        registered = form_name(self.registry.registered_codec(chunk_id))
+        if form not in host_choices(registered):
+            self.counters["probe_form_refused"] += 1
+            return None
         chunk = self._probe_rows.get((chunk_id, form))
         if chunk is None:
-            rows = self._registered_rows(chunk_id)
-            if rows is None:
+            try:
+                chunk = self._registered_rows(chunk_id)
+                if chunk is not None and form != registered:
+                    chunk = PrecomputedChunk(*through_codec(chunk, stored_codec(form)))
+            except (CorruptChunkError, OSError, ValueError) as err:
+                logger.error("placement probe of chunk %s as %s: %s", chunk_id[:12], form, err)
+                self.counters["probe_read_errors"] += 1
                 return None
-            if form != form_name(self.registry.registered_codec(chunk_id)):
-                rows = through_codec(rows, stored_codec(form))
-            chunk = PrecomputedChunk(*rows)
+            if chunk is None:
+                return None
             self._probe_rows[(chunk_id, form)] = chunk
             while len(self._probe_rows) > PROBE_ROWS_KEPT:
                 self._probe_rows.popitem(last=False)
@@ -120,12 +137,10 @@ class PlacementControl:
         self._probe_loans[chunk_id] += 1
         return Pinned(chunk, "disk")
 
-    def release_probe(self, chunk_id: str) -> bool:
-        """True when `chunk_id` was held by a probe (and is now released)."""
+    def release_probe(self, chunk_id: str) -> None:
         if self._probe_loans[chunk_id] <= 0:
-            return False
+            raise ValueError(f"chunk {chunk_id[:12]} is not held by a probe")
         self._probe_loans[chunk_id] -= 1
-        return True
 
     # -- control methods -----------------------------------------------------------------
 
@@ -133,25 +148,26 @@ class PlacementControl:
         if self.registry.store.disk is None:
             raise RuntimeError(UNAVAILABLE)
         if name == "inputs":
-            return self._inputs(bool(body.get("end_round", False)))
+            return self._inputs()
         if name == "tokens":
             return {"tokens": {key: self._token_ids(key) for key in map(str, body.get("ids", []))}}
         if name == "apply":
             return self._apply({str(k): v for k, v in dict(body.get("forms", {})).items()})
         raise ValueError(f"unknown placement control method {name!r}")
 
-    def _inputs(self, end_round: bool) -> dict[str, Any]:
+    def _inputs(self) -> dict[str, Any]:
         self._probe_rows.clear()  # a new round: nothing of the last one's probes is reused
         store = self.registry.store
         assert store.disk is not None
         keys = [key for key in store.stored_keys() if key in store.disk]
-        uses = self.usage.end_round(keys) if end_round else {k: self.usage.use(k) for k in keys}
+        deadline = time.perf_counter() + MEASURE_BUDGET_S
         chunks = []
         for key in keys:
-            costs = self._form_costs(key)
             summary = store.summary(key)
+            costs = self._form_costs(key, measure=time.perf_counter() < deadline)
             if costs is None or summary is None:
                 continue
+            use = self.usage.use(key)
             chunks.append(
                 {
                     "id": key,
@@ -160,14 +176,22 @@ class PlacementControl:
                     "host_form": self.registry.host_form(key),
                     "nbytes": costs.nbytes,
                     "decode_s": costs.decode_s,
-                    "frequency": uses[key].frequency,
-                    "questions": [list(q) for q in uses[key].questions],
+                    "estimated": costs.estimated,
+                    "frequency": use.frequency,
+                    "questions": [list(q) for q in use.questions],
                 }
             )
-        disk_stats = store.disk.stats()
+        if keys and self._disk_rate() is None:  # chunks measured from host memory's copies
+            self._time_disk_read(keys[0])
+        on_disk = set(keys)
+        outside = sum(chunk.nbytes for key, chunk in store.host.items() if key not in on_disk)
         return {
             "chunks": chunks,
-            "capacities": {"host": store.host.stats().capacity_bytes, "disk": disk_stats.capacity_bytes},
+            "capacities": {
+                "host": store.host.stats().capacity_bytes,
+                "disk": store.disk.stats().capacity_bytes,
+            },
+            "host_bytes_outside": outside,  # host-only chunks: the plan leaves them their room
             "disk_bytes_per_s": self._disk_rate(),
             "counters": dict(self.counters),
         }
@@ -180,12 +204,23 @@ class PlacementControl:
         store = self.registry.store
         # A placement decides what host memory holds: reads must not put chunks back.
         store.promote_on_read = False
+        planned = {key: None if form is None else str(form) for key, form in forms.items()}
+
+        def order(item: tuple[str, str | None]) -> tuple[int, int]:
+            key, form = item  # drops, then shrinks, then grows (each makes room for the next)
+            if form is None:
+                return (0, 0)
+            change = self._size(key, form) - self._host_bytes(key)
+            return (1 if change <= 0 else 2, change)
+
         outcomes: Counter[str] = Counter()
-        # Removals first: they make the room the placed forms take.
-        for key, form in sorted(forms.items(), key=lambda item: item[1] is not None):
-            outcome = self._place(key, None if form is None else str(form))
+        for key, form in sorted(planned.items(), key=order):
+            outcome = self._place(key, form)
             outcomes[outcome] += 1
             self.counters[f"placement_{outcome}"] += 1
+        self.usage.end_round(self.registry.store.stored_keys())
+        self._probe_rows.clear()
+        self.registry.report_stored_bytes()
         return {"outcomes": dict(outcomes)}
 
     def _place(self, key: str, form: str | None) -> str:
@@ -195,58 +230,63 @@ class PlacementControl:
         if form == self.registry.host_form(key):
             return "kept"
         if form is None:
-            return "dropped" if store.replace_in_host(key, None)[0] else "busy"
+            return "dropped" if store.replace_in_host(key, None) else "busy"
         registered = form_name(self.registry.registered_codec(key))
         if form not in host_choices(registered):
             raise ValueError(f"chunk {key[:12]} registered as {registered} cannot be held as {form}")
-        chunk = self._host_chunk(key, form, registered)
+        if store.host.pinned(key):
+            return "busy"
+        try:
+            chunk = self._host_chunk(key, form, registered)
+        except (CorruptChunkError, OSError) as err:
+            logger.error("placement of chunk %s as %s: %s", key[:12], form, err)
+            return "gone"
         if chunk is None:
             return "gone"
-        placed, lost = store.replace_in_host(key, chunk)
-        self.registry.forget(lost)
-        return "changed" if placed else "busy"
+        return "changed" if store.replace_in_host(key, chunk) else "no_room"
 
     # -- internals -----------------------------------------------------------------------
 
-    def _registered_rows(self, key: str) -> ChunkTensors | None:
-        """The chunk's rows as registered (a compressed registration decoded), from the disk."""
-        disk = self.registry.store.disk
-        if disk is None:
+    def _registered_rows(self, key: str) -> PrecomputedChunk | None:
+        """The chunk's rows as registered (a compressed registration decoded): host memory's
+        copy when it holds that form, else the disk's."""
+        store = self.registry.store
+        registered = self.registry.registered_codec(key)
+        held = store.host.peek(key)
+        if held is not None and self.registry.host_form(key) == form_name(registered):
+            return _dense(held)
+        if store.disk is None:
             return None
         began = time.perf_counter()
-        stored = disk.get(key)
+        stored = store.disk.get(key)
         if stored is None:
             return None
-        if isinstance(stored, StoredBlob):
-            elapsed = time.perf_counter() - began
-            self._note_read(stored.nbytes, elapsed)
-            reader = BlobReader(stored)
-            layers = [reader.read(layer, None) for layer in range(stored.header.num_layers)]
-            header = stored.header
-            return ChunkTensors(
-                header.token_ids,
-                tuple(rows.keys for rows in layers),
-                tuple(rows.values for rows in layers),
-                header.freq_scores.clone(),
-                header.alpha,
-            )
-        self._note_read(PrecomputedChunk(*stored).nbytes, time.perf_counter() - began)
-        return stored
+        elapsed = time.perf_counter() - began
+        rows = _dense(stored)
+        self._note_read(stored.nbytes if isinstance(stored, StoredBlob) else rows.nbytes, elapsed)
+        return rows
 
-    def _host_chunk(self, key: str, form: str, registered: str) -> Any:
+    def _host_chunk(self, key: str, form: str, registered: str) -> PrecomputedChunk | StoredBlob | None:
         rows = self._registered_rows(key)
         if rows is None:
             return None
         if form == UNCOMPRESSED:
-            return self.registry.as_host_chunk(rows)
-        header, data = encode_stored(key, rows, stored_codec(form))
-        parsed = parse_stored_header(io.BytesIO(header), key, rows_follow=False)
-        return self.registry.as_host_chunk(StoredBlob(parsed, header + data))
+            return rows
+        return compressed_blob(key, rows, stored_codec(form))
 
-    def _form_costs(self, key: str) -> FormCosts | None:
+    def _form_costs(self, key: str, measure: bool) -> FormCosts | None:
         costs = self._costs.get(key)
         if costs is not None:
             return costs
+        if measure:
+            try:
+                return self._measure(key)
+            except (CorruptChunkError, OSError) as err:
+                logger.error("placement: chunk %s unreadable: %s", key[:12], err)
+                return None
+        return self._estimate(key)
+
+    def _measure(self, key: str) -> FormCosts | None:
         rows = self._registered_rows(key)
         if rows is None:
             return None
@@ -255,17 +295,52 @@ class PlacementControl:
         decode_s: dict[str, float] = {}
         for form in host_choices(registered):
             if form == UNCOMPRESSED:
-                nbytes[form], decode_s[form] = PrecomputedChunk(*rows).nbytes, 0.0
+                nbytes[form], decode_s[form] = rows.nbytes, 0.0
                 continue
-            header, data = encode_stored(key, rows, stored_codec(form))
-            blob = StoredBlob(parse_stored_header(io.BytesIO(header), key, rows_follow=False), header + data)
+            blob = compressed_blob(key, rows, stored_codec(form))
             reader = BlobReader(blob)
             began = time.perf_counter()
             for layer in range(blob.header.num_layers):
                 reader.read(layer, None)
             nbytes[form], decode_s[form] = blob.nbytes, time.perf_counter() - began
-        costs = self._costs[key] = FormCosts(nbytes, decode_s)
+        costs = self._costs[key] = FormCosts(nbytes, decode_s, estimated=False)
         return costs
+
+    def _estimate(self, key: str) -> FormCosts | None:
+        """The per-token costs of the measured chunks registered alike, times its tokens."""
+        summary = self.registry.store.summary(key)
+        registered = self.registry.registered_codec(key)
+        alike = [
+            (self.registry.store.summary(k), c)
+            for k, c in self._costs.items()
+            if self.registry.registered_codec(k) == registered
+        ]
+        alike = [(s, c) for s, c in alike if s is not None and s.num_tokens > 0]
+        if summary is None or not alike:
+            return None
+        nbytes: dict[str, int] = {}
+        decode_s: dict[str, float] = {}
+        for form in host_choices(form_name(registered)):
+            nbytes[form] = int(summary.num_tokens * statistics.fmean(c.nbytes[form] / s.num_tokens for s, c in alike))
+            decode_s[form] = summary.num_tokens * statistics.fmean(c.decode_s[form] / s.num_tokens for s, c in alike)
+        return FormCosts(nbytes, decode_s, estimated=True)
+
+    def _size(self, key: str, form: str) -> int:
+        costs = self._costs.get(key) or self._estimate(key)
+        return 0 if costs is None else costs.nbytes.get(form, 0)
+
+    def _host_bytes(self, key: str) -> int:
+        held = self.registry.store.host.peek(key)
+        return 0 if held is None else int(held.nbytes)
+
+    def _time_disk_read(self, key: str) -> None:
+        disk = self.registry.store.disk
+        assert disk is not None
+        began = time.perf_counter()
+        stored = disk.get(key)
+        if stored is not None:
+            nbytes = stored.nbytes if isinstance(stored, StoredBlob) else _dense(stored).nbytes
+            self._note_read(nbytes, time.perf_counter() - began)
 
     def _note_read(self, nbytes: int, seconds: float) -> None:
         if seconds > 0:
@@ -284,3 +359,12 @@ class PlacementControl:
             for form in CODEC_ORDER:
                 self._probe_rows.pop((key, form), None)
         self.usage.forget(chunk_ids)
+
+
+def _dense(stored: object) -> PrecomputedChunk:
+    """Every row of a chunk held dense or as stored bytes (each compressed layer verified)."""
+    if isinstance(stored, PrecomputedChunk):
+        return stored
+    if isinstance(stored, StoredBlob):
+        return PrecomputedChunk(*decode_chunk(stored.data, stored.header.key, stored.header.key))
+    return PrecomputedChunk(*stored)  # type: ignore[misc]  # ChunkTensors from a tier

@@ -127,6 +127,7 @@ class RequestPlan:
     tuned_ratio: float | None = None  # the ratio "auto" resolved to for these chunks' tiers
     fetched: WholeFetches | None = None  # chunks read whole while pinning (shared tier)
     fallback: str | None = None
+    probe_form: str | None = None  # a placement probe: its chunks are the probe's own copies
     # A later round of a fused request: its rows were computed in the first round.
     continuation: FusedRows | None = None
 
@@ -160,7 +161,7 @@ class RequestPlan:
 
     def release(self, registry: ChunkRegistry) -> None:
         for chunk_id in self.pinned:
-            registry.unpin(chunk_id)
+            registry.unpin(chunk_id, probe=self.probe_form is not None)
         self.pinned = []
 
 
@@ -238,7 +239,7 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     if plan.fallback is not None:
         return
     tokens = list(req.origin_input_ids)
-    probe_form = probe_form_of(req)
+    probe_form = plan.probe_form = probe_form_of(req)
     held = pinned_chunk_segments(rt.registry, tokens, probe_form)
     plan.segments, plan.pinned, plan.chunk_tiers = held.segments, held.pinned, held.tiers
     tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched
@@ -369,7 +370,7 @@ def pinned_chunk_segments(
     tokens_by_tier: Counter[str] = Counter()
     cursor = 0
     fetched = WholeFetches()
-    metrics = extension_metrics()
+    metrics = extension_metrics() if probe_form is None else None  # probes are not traffic
     for match in registry.index.find(tokens):
         began = time.perf_counter()
         chunk_id = match.chunk_id

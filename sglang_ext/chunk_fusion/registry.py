@@ -182,15 +182,18 @@ class ChunkRegistry:
         pinned, lost = self.store.pin(chunk_id)
         self.forget(lost)
         if lost or (pinned is not None and pinned.tier != "host"):
-            self._report_stored_bytes()
+            self.report_stored_bytes()
         return None if pinned is None else pinned._replace(chunk=readable(pinned.chunk))
 
     def pin_form(self, chunk_id: str, form: str) -> Pinned | None:
         """A probe's copy of the chunk's registered rows through `form` (see `pin`)."""
         return self.placement.pin_form(chunk_id, form)
 
-    def unpin(self, chunk_id: str) -> None:
-        if not self.placement.release_probe(chunk_id):
+    def unpin(self, chunk_id: str, probe: bool = False) -> None:
+        """Let go of a chunk `pin` (or, with `probe`, `pin_form`) held."""
+        if probe:
+            self.placement.release_probe(chunk_id)
+        else:
             self.store.unpin(chunk_id)
 
     def registered_codec(self, chunk_id: str) -> str | None:
@@ -205,9 +208,6 @@ class ChunkRegistry:
             return None
         return form_name(chunk.header.codec if isinstance(chunk, StoredBlob) else None)
 
-    @staticmethod
-    def as_host_chunk(stored: ChunkTensors | StoredBlob) -> HostChunk:
-        return host_chunk(stored)
 
     def capture(
         self,
@@ -261,7 +261,7 @@ class ChunkRegistry:
         self._add_to_index(chunk_id, chunk.token_ids)
         summary = self._summaries[chunk_id] = self.store.summary(chunk_id) or summarize(chunk)
         self.generation += 1
-        self._report_stored_bytes()
+        self.report_stored_bytes()
         logger.info(
             "chunk %s registered: %d tokens, %d bytes (%s) in %s",
             chunk_id[:12],
@@ -326,10 +326,10 @@ class ChunkRegistry:
         if not removed:
             raise RuntimeError(f"chunk {chunk_id[:12]} is in use by a running request; retry later")
         self.forget([chunk_id])
-        self._report_stored_bytes()
+        self.report_stored_bytes()
         return True
 
-    def _report_stored_bytes(self) -> None:
+    def report_stored_bytes(self) -> None:
         if (metrics := extension_metrics()) is not None:
             stats = self.store.stats()
             metrics.chunk_stored_bytes(stats.host.bytes_used, tier="host")

@@ -1,7 +1,9 @@
 """HTTP routes of the extension, added to SGLang's FastAPI app in the launching process.
 
 - `POST /chunks` `{"text": ...}` or `{"input_ids": [...]}`, optionally `"codec": "int8"` /
-  `"int4"` / null (how every chunk tier stores it; default the setting chunk_codec):
+  `"int4"` / null (how every chunk tier stores it, `registered_codec` in the answer; `codec` is
+  the form a request reads, which a placement may make more compressed in host memory;
+  default the setting chunk_codec):
   register a document chunk (idempotent: the id is the content hash of its token ids; 409 when
   it is stored with another codec); returns `{"id", "num_tokens", "nbytes", "codec", "created", ...}`.
 - `GET /chunks`: the registered chunks and the chunk-store statistics.

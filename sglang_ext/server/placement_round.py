@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 PROFILE_CHUNKS_PER_ROUND = 8  # default: bounds the probe load one round adds to the server
 PROBES_IN_FLIGHT = 16
+MAX_PROBE_FAILURES = 3  # rounds whose probes of a chunk fell back before it is left unprofiled
 
 Control = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -71,6 +72,7 @@ class PlacementRounds:
     def __init__(self) -> None:
         self._lock = asyncio.Lock()
         self.profiles: dict[str, Profile] = {}
+        self.failures: Counter[str] = Counter()
         self.rounds = 0
         self.counters: Counter[str] = Counter()
         self.last: dict[str, Any] | None = None
@@ -95,10 +97,11 @@ class PlacementRounds:
             raise RoundRunning("a placement round is running; retry when it is done")
         async with self._lock:
             began = time.perf_counter()
-            inputs = await control("placement.inputs", {"end_round": True})
+            inputs = await control("placement.inputs", {})
             chunks = inputs["chunks"]
             live = {c["id"] for c in chunks}
             self.profiles = {k: p for k, p in self.profiles.items() if k in live}
+            self.failures = Counter({k: n for k, n in self.failures.items() if k in live})
             profiled = await self._profile(manager, control, chunks, profile_chunks)
             timing = self._timing(inputs)
             result: dict[str, Any] = {
@@ -147,9 +150,10 @@ class PlacementRounds:
             for c in chunks
         ]
         frequencies = {c["id"]: c["frequency"] for c in chunks}
-        chosen, placement = plan_host_forms(
-            forms, frequencies, timing, inputs["capacities"], alpha, quality_floor
-        )
+        capacities = dict(inputs["capacities"])
+        # Chunks only host memory holds (their disk write failed) keep their room.
+        capacities["host"] = max(0, capacities["host"] - inputs["host_bytes_outside"])
+        chosen, placement = plan_host_forms(forms, frequencies, timing, capacities, alpha, quality_floor)
         applied = await control("placement.apply", {"forms": chosen})
         return {
             "outcomes": applied["outcomes"],
@@ -183,23 +187,37 @@ class PlacementRounds:
         def encode(text: str) -> list[int]:
             return list(tokenizer.encode(text, add_special_tokens=False))
 
-        lead = encode(PROBE_LEAD)
+        # A lead of its own per round: a probe that fell back to the normal prefill left its
+        # prompt in the prefix tree, and the next round's probe must not reuse it.
+        lead = encode(PROBE_LEAD.format(round=self.rounds + 1))
         templates = [encode(template_question(q)) for q in TEMPLATE_QUESTIONS]
         due = [
             c
             for c in chunks
-            if c["id"] not in self.profiles
-            or self.profiles[c["id"]].questions != tuple(map(tuple, c["questions"]))
+            if self.failures[c["id"]] < MAX_PROBE_FAILURES
+            and (
+                c["id"] not in self.profiles
+                or self.profiles[c["id"]].questions != tuple(map(tuple, c["questions"]))
+            )
         ]
-        due = sorted(due, key=lambda c: -c["frequency"])[:limit]
+        # Never profiled first (else a popular chunk asked new questions every round would
+        # keep the others waiting), then the most read.
+        due = sorted(due, key=lambda c: (c["id"] in self.profiles, -c["frequency"]))[:limit]
         if not due:
             return []
         tokens = (await control("placement.tokens", {"ids": [c["id"] for c in due]}))["tokens"]
-        due = [c for c in due if tokens.get(c["id"])]
-        prompts = {
-            c["id"]: [lead + tokens[c["id"]] + q for q in probe_questions(c["questions"], templates)]
-            for c in due
-        }
+        room = int(manager.context_len) - ANSWER_TOKENS - 1
+        prompts: dict[str, list[list[int]]] = {}
+        for chunk in due:
+            ids = tokens.get(chunk["id"]) or []
+            questions = probe_questions(chunk["questions"], templates)
+            candidates = [lead + ids + q for q in questions]
+            if ids and max(map(len, candidates)) <= room:
+                prompts[chunk["id"]] = candidates
+            elif ids:  # longer than the model's context with a question: never profiled
+                self.counters["probe_too_long"] += 1
+                self.failures[chunk["id"]] = MAX_PROBE_FAILURES
+        due = [c for c in due if c["id"] in prompts]
         # Every probe of the round at once: the server batches their decodes.
         gate = asyncio.Semaphore(PROBES_IN_FLIGHT)
 
@@ -214,10 +232,16 @@ class PlacementRounds:
             for form in host_choices(c["registered"])
             for prompt in prompts[c["id"]]
         ]
-        replies = await asyncio.gather(*(job for _, _, job in jobs))
+        replies = await asyncio.gather(*(job for _, _, job in jobs), return_exceptions=True)
         answers: dict[str, dict[str, list[str]]] = {c["id"]: {} for c in due}
         failed: set[str] = set()
-        for (key, form, _), (text, fused) in zip(jobs, replies, strict=True):
+        for (key, form, _), reply in zip(jobs, replies, strict=True):
+            if isinstance(reply, BaseException):
+                logger.error("placement probe of chunk %s as %s failed: %s", key[:12], form, reply)
+                self.counters["probe_errors"] += 1
+                failed.add(key)
+                continue
+            text, fused = reply
             answers[key].setdefault(form, []).append(text)
             if not fused:
                 failed.add(key)
@@ -226,6 +250,7 @@ class PlacementRounds:
         for chunk in due:
             key = chunk["id"]
             if key in failed:  # a probe did not read the chunk: no quality measured
+                self.failures[key] += 1
                 continue
             reference = answers[key][chunk["registered"]]
             quality = {form: mean_answer_f1(reference, got) for form, got in answers[key].items()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import ssl
 import threading
 import time
 import urllib.error
@@ -48,8 +49,12 @@ ROUNDS = PlacementRounds()
 
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
     value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestRefused(400, f'"{key}" must be a number, got {str(value)[:40]!r}')
+    try:  # a JSON integer too large for a float overflows
+        finite = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise RequestRefused(400, f'"{key}" must be a finite number, got {str(value)[:40]!r}')
     if not low <= value <= high:
         bound = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
         raise RequestRefused(400, f'"{key}" must be {bound}, got {value}')
@@ -104,19 +109,22 @@ def add_routes(app: Any, normal: Any, admin: Any) -> None:
 
 def start_timer(server_args: Any, interval_s: float) -> threading.Thread:
     """Post a placement round to this server every `interval_s` seconds (daemon thread)."""
-    host = server_args.host if server_args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-    url = f"http://{host}:{server_args.port}/hicache_ext/placement"
+    url = server_args.url() + "/hicache_ext/placement"  # SGLang's own: scheme, loopback, IPv6
     key = server_args.admin_api_key or server_args.api_key
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]  # no proxy
+    if url.startswith("https"):  # this server's own certificate, on its own address
+        handlers.append(urllib.request.HTTPSHandler(context=ssl._create_unverified_context()))
+    opener = urllib.request.build_opener(*handlers)
 
     def tick() -> None:
         while True:
             time.sleep(interval_s)
             request = urllib.request.Request(url, b"{}", headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=max(600.0, interval_s)) as reply:
+                with opener.open(request, timeout=max(600.0, interval_s)) as reply:
                     result = json.loads(reply.read())
                 logger.debug("periodic chunk placement: %s", result.get("outcomes"))
             except (urllib.error.URLError, OSError, ValueError) as err:  # server not up yet, busy

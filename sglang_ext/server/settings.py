@@ -127,13 +127,14 @@ class ExtensionSettings(BaseModel):
         description="Re-place chunks every this many seconds (needs chunk_disk_dir): probe "
         "each chunk's answers under each codec, then choose what host memory holds of it "
         "(dense, int8, int4 or nothing; the disk keeps its registered rows) by the utility "
-        "(alpha * quality - TTFT) * frequency. Null: only when POST /chunks/placement asks.",
+        "(alpha * quality - TTFT) * frequency. Null: only when POST /hicache_ext/placement asks.",
     )
     chunk_placement_alpha: float = Field(
         20.0,
         ge=0,
+        allow_inf_nan=False,
         description="Seconds of TTFT that one unit of answer quality is worth in the "
-        "placement's utility (POST /chunks/placement \"alpha\" overrides it).",
+        "placement's utility (POST /hicache_ext/placement \"alpha\" overrides it).",
     )
     chunk_placement_quality_floor: float = Field(
         0.9,
@@ -279,6 +280,8 @@ def _describe(error: ErrorDetails) -> str:
         )
     if kind == "value_error":
         return f"{given} {error['ctx']['error']}"
+    if kind == "finite_number":
+        return f"{given} must be a finite number"
     bound = bound_phrase(field)
     if bound:
         extra = field.json_schema_extra

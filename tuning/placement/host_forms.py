@@ -81,7 +81,7 @@ def plan_host_forms(
     alpha: float,
     quality_floor: float,
 ) -> tuple[dict[str, str | None], Placement]:
-    """The form host memory holds of each chunk (None: none, read from disk or recomputed)."""
+    """The form host memory holds of each chunk (None: none, requests read it from disk)."""
     profiles = [chunk_profile(c, frequencies.get(c.chunk_id, 0.0), timing) for c in chunks]
     # The disk holds these chunks now: they fit it, whatever its files' headers add.
     on_disk = sum(c.nbytes[c.registered] for c in chunks)

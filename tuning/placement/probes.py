@@ -2,8 +2,9 @@
 
 A chunk's probes are the questions real requests asked with it (recorded by `ChunkUsage`),
 then templated questions up to the count. A probe prompt is a short lead text, the chunk, then
-the question: the lead keeps the chunk out of the exact prefix a registration left in the
-prefix tree, so the chunk's stored rows are what the probe reads. The quality of a codec is the
+the question: the lead keeps the chunk out of the exact prefix a registration (or an earlier
+round's probe that fell back) left in the prefix tree, so the chunk's stored rows are what the
+probe reads. The quality of a codec is the
 mean token F1 of its greedy answers against the answers from the chunk's registered rows
 (`evaluation.answer_quality.mean_answer_f1`).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-PROBE_LEAD = "Context:\n"
+PROBE_LEAD = "Context {round}:\n"  # formatted with the round's number
 TEMPLATE_QUESTIONS = (
     "What is this passage about?",
     "Which names, places, dates or numbers does the passage mention?",
