@@ -110,6 +110,9 @@ class TieredChunkStore(Generic[V]):
         self._promotions: list[Future[None]] = []
         self._lost_later: list[str] = []  # lost by a background promotion, for the next _settle
         self._lock = threading.Lock()
+        # Held by a placement's change of host memory and by a promotion's check-and-put, so
+        # that a promotion never undoes a placement (`replace_in_host`, `promote`).
+        self._host_writes = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._lookups: Counter[str] = Counter()
         # Chunks handed to a request from disk while host memory had no room (all pinned):
@@ -228,22 +231,27 @@ class TieredChunkStore(Generic[V]):
         (None) while a lower tier does. False (nothing changed) while a request pins it, when
         it does not fit in host memory's free bytes (nothing else is evicted for it), or when
         dropping it would lose it."""
-        if self.host.pinned(key):
-            return False
-        if chunk is None:
-            if key not in self.host:
-                return True
-            if self.tiers_of(key) == [HOST]:
-                return False  # the only copy
-            if not self.host.remove(key):
+        with self._host_writes:  # no promotion between the checks and the change
+            if self.host.pinned(key):
                 return False
-            self._add("demotions")
+            if chunk is None:
+                if key not in self.host:
+                    return True
+                if self.tiers_of(key) == [HOST]:
+                    return False  # the only copy
+                if not self.host.remove(key):
+                    return False
+                self._add("demotions")
+                return True
+            stats, held = self.host.stats(), self.host.peek(key)
+            freed = 0 if held is None else int(held.nbytes)
+            if stats.bytes_used - freed + int(chunk.nbytes) > stats.capacity_bytes:
+                return False  # nothing is evicted for a placed form
+            try:
+                self.host.put(key, chunk, evict=False)
+            except StoreFullError:
+                return False
             return True
-        try:
-            self.host.put(key, chunk, evict=False)
-        except StoreFullError:
-            return False
-        return True
 
     # -- reads by requests -----------------------------------------------------------------
 
@@ -307,8 +315,11 @@ class TieredChunkStore(Generic[V]):
         if tensors is None:
             return False
         try:
-            # if_absent: a placement may have put its own form of it meanwhile.
-            evicted = self.host.put(key, self._rebuild(tensors), if_absent=True)
+            with self._host_writes:  # a placement may have started during the read
+                if not self.promote_on_read:
+                    return False
+                # if_absent: a placement may have put its own form of it meanwhile.
+                evicted = self.host.put(key, self._rebuild(tensors), if_absent=True)
         except StoreFullError:
             return False
         self._add("promotions")

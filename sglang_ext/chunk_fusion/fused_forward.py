@@ -167,7 +167,8 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
         "tokens_recomputed": result.num_tokens - prefix_len - reused,
     }
     if plan.probe_form is not None:
-        info["probe_form"] = plan.probe_form  # a placement probe, not traffic (metrics skip it)
+        # A placement probe: not counted as a read, a chunk hit or a fused TTFT.
+        info["probe_form"] = plan.probe_form
     streamed = [
         segment.chunk
         for segment in plan.segments

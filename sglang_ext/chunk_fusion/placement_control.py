@@ -7,15 +7,16 @@ other writer of host memory, and it stands down once a placement has run):
 
 - `inputs`: every chunk the disk holds, with its registered form, the form host memory holds
   now, its bytes and decode time in each form it may take (measured by encoding its registered
-  rows, at most `MEASURE_BUDGET_S` of that per call so that the scheduler never stalls; chunks
-  not measured yet get the per-token costs of those that were, marked `estimated`), its decayed
-  read count and the questions real requests asked with it; the host and disk capacities, the
-  host bytes of chunks the disk does not hold (the plan must leave them their room) and the
-  disk's read rate.
+  rows; chunks are measured until `MEASURE_BUDGET_S` has passed in the call, one chunk at a
+  time, so one call stalls the scheduler for about that long; the others get the per-token
+  costs of those measured, marked `estimated`), its decayed read count and the questions real
+  requests asked with it; the host and disk capacities, the host bytes of chunks not in the
+  list (the plan must leave them their room) and the disk's read rate.
 - `tokens`: the token ids of the chunks to probe.
 - `apply`: make host memory hold each chunk in its chosen form (or not at all): drops, then
   shrinks, then grows, nothing evicted for a grow that does not fit (`no_room`), a chunk a
-  running request holds left as it is (`busy`); then the round's reads become history. The
+  running request holds left as it is (`busy`); then the reads counted at `inputs` become history (later ones stay in the
+  next round). The
   disk keeps the registered rows, so a placement never loses a chunk (the disk's own budget
   may evict it later, as before).
 
@@ -31,7 +32,7 @@ import logging
 import statistics
 import time
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.tiers.chunk_file import CorruptChunkError
@@ -85,13 +86,20 @@ def form_name(codec: str | None) -> str:
     return UNCOMPRESSED if codec is None else codec
 
 
-class FormCosts:
+class FormCosts(NamedTuple):
     """A chunk's bytes and decode seconds per form."""
 
-    def __init__(self, nbytes: dict[str, int], decode_s: dict[str, float], estimated: bool) -> None:
-        self.nbytes = nbytes
-        self.decode_s = decode_s
-        self.estimated = estimated
+    num_tokens: int
+    nbytes: dict[str, int]
+    decode_s: dict[str, float]
+    estimated: bool
+
+
+class PerToken(NamedTuple):
+    """Mean bytes and decode seconds per token and form of the chunks measured so far."""
+
+    nbytes: dict[str, float]
+    decode_s: dict[str, float]
 
 
 class PlacementControl:
@@ -102,6 +110,7 @@ class PlacementControl:
         self._read_rates: list[float] = []
         self._costs: dict[str, FormCosts] = {}  # measured (a chunk's content never changes)
         self._probe_loans: Counter[str] = Counter()
+        self._round_reads: dict[str, int] = {}  # the reads `inputs` reported, ended by `apply`
         # The rows of the last probes, kept for the round (outside host memory's budget): a
         # round probes each form of a chunk with several questions at once, which would
         # otherwise read and re-encode the chunk every time.
@@ -131,8 +140,7 @@ class PlacementControl:
             if chunk is None:
                 return None
             self._probe_rows[(chunk_id, form)] = chunk
-            while len(self._probe_rows) > PROBE_ROWS_KEPT:
-                self._probe_rows.popitem(last=False)
+            self._trim_probe_rows()
         self._probe_rows.move_to_end((chunk_id, form))
         self._probe_loans[chunk_id] += 1
         return Pinned(chunk, "disk")
@@ -141,6 +149,17 @@ class PlacementControl:
         if self._probe_loans[chunk_id] <= 0:
             raise ValueError(f"chunk {chunk_id[:12]} is not held by a probe")
         self._probe_loans[chunk_id] -= 1
+        if not self._probe_loans[chunk_id]:
+            del self._probe_loans[chunk_id]
+
+    def _trim_probe_rows(self) -> None:
+        """At most PROBE_ROWS_KEPT copies, and at most half of host memory's budget in all."""
+        budget = self.registry.store.host.stats().capacity_bytes // 2
+        while len(self._probe_rows) > 1 and (
+            len(self._probe_rows) > PROBE_ROWS_KEPT
+            or sum(c.nbytes for c in self._probe_rows.values()) > budget
+        ):
+            self._probe_rows.popitem(last=False)
 
     # -- control methods -----------------------------------------------------------------
 
@@ -161,17 +180,23 @@ class PlacementControl:
         assert store.disk is not None
         keys = [key for key in store.stored_keys() if key in store.disk]
         deadline = time.perf_counter() + MEASURE_BUDGET_S
+        for key in keys:  # the measuring, within the budget
+            if time.perf_counter() >= deadline:
+                break
+            if key not in self._costs:
+                self._measure_logged(key)
+        per_token = self._per_token()
+        self._round_reads = self.usage.reads()
         chunks = []
         for key in keys:
-            summary = store.summary(key)
-            costs = self._form_costs(key, measure=time.perf_counter() < deadline)
-            if costs is None or summary is None:
+            costs = self._costs.get(key) or self._estimate(key, per_token)
+            if costs is None:
                 continue
             use = self.usage.use(key)
             chunks.append(
                 {
                     "id": key,
-                    "num_tokens": summary.num_tokens,
+                    "num_tokens": costs.num_tokens,
                     "registered": form_name(self.registry.registered_codec(key)),
                     "host_form": self.registry.host_form(key),
                     "nbytes": costs.nbytes,
@@ -183,15 +208,16 @@ class PlacementControl:
             )
         if keys and self._disk_rate() is None:  # chunks measured from host memory's copies
             self._time_disk_read(keys[0])
-        on_disk = set(keys)
-        outside = sum(chunk.nbytes for key, chunk in store.host.items() if key not in on_disk)
+        listed = {chunk["id"] for chunk in chunks}
+        outside = sum(chunk.nbytes for key, chunk in store.host.items() if key not in listed)
         return {
             "chunks": chunks,
+            "stored": keys,  # every chunk the disk holds, listed or not
             "capacities": {
                 "host": store.host.stats().capacity_bytes,
                 "disk": store.disk.stats().capacity_bytes,
             },
-            "host_bytes_outside": outside,  # host-only chunks: the plan leaves them their room
+            "host_bytes_outside": outside,  # chunks not listed: the plan leaves them their room
             "disk_bytes_per_s": self._disk_rate(),
             "counters": dict(self.counters),
         }
@@ -202,15 +228,22 @@ class PlacementControl:
 
     def _apply(self, forms: dict[str, Any]) -> dict[str, Any]:
         store = self.registry.store
+        planned = {key: None if form is None else str(form) for key, form in forms.items()}
+        for key, form in planned.items():  # every form checked before anything changes
+            registered = form_name(self.registry.registered_codec(key))
+            if form is not None and form not in host_choices(registered):
+                raise ValueError(f"chunk {key[:12]} registered as {registered} cannot be held as {form}")
         # A placement decides what host memory holds: reads must not put chunks back.
         store.promote_on_read = False
-        planned = {key: None if form is None else str(form) for key, form in forms.items()}
+        per_token = self._per_token()
 
         def order(item: tuple[str, str | None]) -> tuple[int, int]:
             key, form = item  # drops, then shrinks, then grows (each makes room for the next)
             if form is None:
                 return (0, 0)
-            change = self._size(key, form) - self._host_bytes(key)
+            costs = self._costs.get(key) or self._estimate(key, per_token)
+            size = 0 if costs is None else costs.nbytes.get(form, 0)
+            change = size - self._host_bytes(key)
             return (1 if change <= 0 else 2, change)
 
         outcomes: Counter[str] = Counter()
@@ -218,7 +251,8 @@ class PlacementControl:
             outcome = self._place(key, form)
             outcomes[outcome] += 1
             self.counters[f"placement_{outcome}"] += 1
-        self.usage.end_round(self.registry.store.stored_keys())
+        self.usage.end_round(self.registry.store.stored_keys(), self._round_reads)
+        self._round_reads = {}
         self._probe_rows.clear()
         self.registry.report_stored_bytes()
         return {"outcomes": dict(outcomes)}
@@ -231,13 +265,10 @@ class PlacementControl:
             return "kept"
         if form is None:
             return "dropped" if store.replace_in_host(key, None) else "busy"
-        registered = form_name(self.registry.registered_codec(key))
-        if form not in host_choices(registered):
-            raise ValueError(f"chunk {key[:12]} registered as {registered} cannot be held as {form}")
         if store.host.pinned(key):
             return "busy"
         try:
-            chunk = self._host_chunk(key, form, registered)
+            chunk = self._host_chunk(key, form)
         except (CorruptChunkError, OSError) as err:
             logger.error("placement of chunk %s as %s: %s", key[:12], form, err)
             return "gone"
@@ -266,7 +297,7 @@ class PlacementControl:
         self._note_read(stored.nbytes if isinstance(stored, StoredBlob) else rows.nbytes, elapsed)
         return rows
 
-    def _host_chunk(self, key: str, form: str, registered: str) -> PrecomputedChunk | StoredBlob | None:
+    def _host_chunk(self, key: str, form: str) -> PrecomputedChunk | StoredBlob | None:
         rows = self._registered_rows(key)
         if rows is None:
             return None
@@ -274,22 +305,16 @@ class PlacementControl:
             return rows
         return compressed_blob(key, rows, stored_codec(form))
 
-    def _form_costs(self, key: str, measure: bool) -> FormCosts | None:
-        costs = self._costs.get(key)
-        if costs is not None:
-            return costs
-        if measure:
-            try:
-                return self._measure(key)
-            except (CorruptChunkError, OSError) as err:
-                logger.error("placement: chunk %s unreadable: %s", key[:12], err)
-                return None
-        return self._estimate(key)
+    def _measure_logged(self, key: str) -> None:
+        try:
+            self._measure(key)
+        except (CorruptChunkError, OSError) as err:
+            logger.error("placement: chunk %s unreadable: %s", key[:12], err)
 
-    def _measure(self, key: str) -> FormCosts | None:
+    def _measure(self, key: str) -> None:
         rows = self._registered_rows(key)
         if rows is None:
-            return None
+            return
         registered = form_name(self.registry.registered_codec(key))
         nbytes: dict[str, int] = {}
         decode_s: dict[str, float] = {}
@@ -303,31 +328,33 @@ class PlacementControl:
             for layer in range(blob.header.num_layers):
                 reader.read(layer, None)
             nbytes[form], decode_s[form] = blob.nbytes, time.perf_counter() - began
-        costs = self._costs[key] = FormCosts(nbytes, decode_s, estimated=False)
-        return costs
+        self._costs[key] = FormCosts(rows.num_tokens, nbytes, decode_s, estimated=False)
 
-    def _estimate(self, key: str) -> FormCosts | None:
-        """The per-token costs of the measured chunks registered alike, times its tokens."""
-        summary = self.registry.store.summary(key)
-        registered = self.registry.registered_codec(key)
-        alike = [
-            (self.registry.store.summary(k), c)
-            for k, c in self._costs.items()
-            if self.registry.registered_codec(k) == registered
-        ]
-        alike = [(s, c) for s, c in alike if s is not None and s.num_tokens > 0]
-        if summary is None or not alike:
+    def _per_token(self) -> dict[str | None, PerToken]:
+        """Per registered codec: the measured chunks' mean costs per token and form."""
+        groups: dict[str | None, list[FormCosts]] = {}
+        for key, costs in self._costs.items():
+            groups.setdefault(self.registry.registered_codec(key), []).append(costs)
+        return {
+            codec: PerToken(
+                {f: statistics.fmean(c.nbytes[f] / c.num_tokens for c in group) for f in group[0].nbytes},
+                {f: statistics.fmean(c.decode_s[f] / c.num_tokens for c in group) for f in group[0].decode_s},
+            )
+            for codec, group in groups.items()
+        }
+
+    def _estimate(self, key: str, per_token: dict[str | None, PerToken]) -> FormCosts | None:
+        """An unmeasured chunk's costs: its registered bytes exactly (its summary), the other
+        forms by the per-token costs of the measured chunks registered alike."""
+        summary = self.registry.summary(key)
+        alike = None if summary is None else per_token.get(summary.codec)
+        if summary is None or alike is None:
             return None
-        nbytes: dict[str, int] = {}
-        decode_s: dict[str, float] = {}
-        for form in host_choices(form_name(registered)):
-            nbytes[form] = int(summary.num_tokens * statistics.fmean(c.nbytes[form] / s.num_tokens for s, c in alike))
-            decode_s[form] = summary.num_tokens * statistics.fmean(c.decode_s[form] / s.num_tokens for s, c in alike)
-        return FormCosts(nbytes, decode_s, estimated=True)
-
-    def _size(self, key: str, form: str) -> int:
-        costs = self._costs.get(key) or self._estimate(key)
-        return 0 if costs is None else costs.nbytes.get(form, 0)
+        tokens = summary.num_tokens
+        nbytes = {form: int(tokens * b) for form, b in alike.nbytes.items()}
+        nbytes[form_name(summary.codec)] = summary.nbytes
+        decode_s = {form: tokens * d for form, d in alike.decode_s.items()}
+        return FormCosts(tokens, nbytes, decode_s, estimated=True)
 
     def _host_bytes(self, key: str) -> int:
         held = self.registry.store.host.peek(key)

@@ -208,6 +208,9 @@ class ChunkRegistry:
             return None
         return form_name(chunk.header.codec if isinstance(chunk, StoredBlob) else None)
 
+    def summary(self, chunk_id: str) -> ChunkSummary | None:
+        """A stored chunk's sizes as registered (in memory: no disk header read)."""
+        return self._summaries.get(chunk_id)
 
     def capture(
         self,

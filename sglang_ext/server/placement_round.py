@@ -3,8 +3,8 @@
 
 1. The scheduler reports every chunk the disk keeps: its forms' bytes and decode times, its
    reads since the last round (decayed) and the questions real requests asked with it.
-2. **Profile** the chunks never profiled, or asked new questions since (the most read first, a
-   few per round): each probe question (recorded real ones first, then templates) is answered
+2. **Profile** the chunks never profiled, or asked new questions since (never profiled first,
+   then the most read; a few per round): each probe question (recorded real ones first, then templates) is answered
    greedily from the chunk's registered rows and from each more compressed form, through the
    real server (fused requests whose chunk rows pass through the form's codec); a form's
    quality is the mean token F1 of its answers against the registered rows' answers. The
@@ -74,6 +74,7 @@ class PlacementRounds:
         self.profiles: dict[str, Profile] = {}
         self.failures: Counter[str] = Counter()
         self.rounds = 0
+        self.attempts = 0  # rounds started, failed ones too (the probes' lead text)
         self.counters: Counter[str] = Counter()
         self.last: dict[str, Any] | None = None
 
@@ -97,9 +98,10 @@ class PlacementRounds:
             raise RoundRunning("a placement round is running; retry when it is done")
         async with self._lock:
             began = time.perf_counter()
+            self.attempts += 1
             inputs = await control("placement.inputs", {})
             chunks = inputs["chunks"]
-            live = {c["id"] for c in chunks}
+            live = set(inputs["stored"])  # every chunk the disk holds, measured or not
             self.profiles = {k: p for k, p in self.profiles.items() if k in live}
             self.failures = Counter({k: n for k, n in self.failures.items() if k in live})
             profiled = await self._profile(manager, control, chunks, profile_chunks)
@@ -189,7 +191,7 @@ class PlacementRounds:
 
         # A lead of its own per round: a probe that fell back to the normal prefill left its
         # prompt in the prefix tree, and the next round's probe must not reuse it.
-        lead = encode(PROBE_LEAD.format(round=self.rounds + 1))
+        lead = encode(PROBE_LEAD.format(round=self.attempts))
         templates = [encode(template_question(q)) for q in TEMPLATE_QUESTIONS]
         due = [
             c
@@ -214,8 +216,9 @@ class PlacementRounds:
             candidates = [lead + ids + q for q in questions]
             if ids and max(map(len, candidates)) <= room:
                 prompts[chunk["id"]] = candidates
-            elif ids:  # longer than the model's context with a question: never profiled
-                self.counters["probe_too_long"] += 1
+            else:  # no tokens (gone meanwhile), or too long for the model's context with a
+                # question: never profiled
+                self.counters["probe_too_long" if ids else "probe_no_tokens"] += 1
                 self.failures[chunk["id"]] = MAX_PROBE_FAILURES
         due = [c for c in due if c["id"] in prompts]
         # Every probe of the round at once: the server batches their decodes.
@@ -255,6 +258,7 @@ class PlacementRounds:
             reference = answers[key][chunk["registered"]]
             quality = {form: mean_answer_f1(reference, got) for form, got in answers[key].items()}
             self.profiles[key] = Profile(quality, tuple(map(tuple, chunk["questions"])))
+            self.failures.pop(key, None)  # only failures in a row count
             profiled.append(key)
         return profiled
 

@@ -3,8 +3,8 @@
 - `POST /hicache_ext/placement` `{}` or `{"alpha": A, "quality_floor": Q, "profile_chunks": N}`:
   run a placement round now (`placement_round.py`) and answer its result; alpha (>= 0, seconds
   of TTFT one unit of quality is worth) and the floor (in [0, 1]) override the settings for this
-  round, N bounds how many chunks it profiles (default 8, the most read first). 400 on bad
-  values, 404 without a disk tier, 409 while a round runs.
+  round, N bounds how many chunks it profiles (default 8: never profiled first, then the most
+  read). 400 on bad values, 404 without a disk tier, 409 while a round runs.
 - `GET /hicache_ext/placement`: rounds so far, profiled chunks, counters, the last result.
 
 With `chunk_placement_interval_s` a daemon thread posts to the first route every interval, as
@@ -116,7 +116,10 @@ def start_timer(server_args: Any, interval_s: float) -> threading.Thread:
         headers["Authorization"] = f"Bearer {key}"
     handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]  # no proxy
     if url.startswith("https"):  # this server's own certificate, on its own address
-        handlers.append(urllib.request.HTTPSHandler(context=ssl._create_unverified_context()))
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        handlers.append(urllib.request.HTTPSHandler(context=context))
     opener = urllib.request.build_opener(*handlers)
 
     def tick() -> None:

@@ -54,12 +54,25 @@ class ChunkUsage:
         frequency = self._reads.get(chunk_id, 0) + DECAY * self._earlier.get(chunk_id, 0.0)
         return ChunkUse(frequency, tuple(self._questions.get(chunk_id, ())))
 
-    def end_round(self, chunk_ids: Iterable[str]) -> dict[str, ChunkUse]:
-        """Every chunk's use up to now; the round's reads then become the decayed history."""
+    def reads(self) -> dict[str, int]:
+        """The reads of the round so far (a snapshot a placement plans with)."""
+        with self._lock:
+            return dict(self._reads)
+
+    def end_round(self, chunk_ids: Iterable[str], reads: dict[str, int] | None = None) -> dict[str, ChunkUse]:
+        """Every chunk's use up to now; the round's reads (those of the snapshot `reads`, when
+        given: later ones stay in the next round) then become the decayed history."""
         with self._lock:
             uses = {chunk_id: self._use(chunk_id) for chunk_id in chunk_ids}
-            self._earlier = {k: u.frequency for k, u in uses.items() if u.frequency > 0}
-            self._reads = {}
+            counted = dict(self._reads) if reads is None else reads
+            earlier = {}
+            for key in uses:
+                frequency = counted.get(key, 0) + DECAY * self._earlier.get(key, 0.0)
+                if frequency > 0:
+                    earlier[key] = frequency
+            self._earlier = earlier
+            left = {key: n - counted.get(key, 0) for key, n in self._reads.items()}
+            self._reads = {key: n for key, n in left.items() if n > 0}
             return uses
 
     def forget(self, chunk_ids: Iterable[str]) -> None:
