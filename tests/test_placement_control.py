@@ -11,6 +11,7 @@ import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.rope import RopeSpec
+from sglang_hicache_ext.sglang_ext.chunk_fusion import placement_control
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
     PROBE_FORM_PARAM,
     UNAVAILABLE,
@@ -62,6 +63,23 @@ def test_inputs_report_every_form_and_the_reads(tmp_path: Path) -> None:
     registry.handle_control("hicache_ext.placement.apply", {"forms": {}})
     again = registry.handle_control("hicache_ext.placement.inputs", {})[0]
     assert {c["id"]: c["frequency"] for c in again["chunks"]}[chunks[0].content_hash] == 0.5
+
+
+def test_chunks_beyond_the_measuring_budget_are_estimated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(placement_control, "MEASURE_BUDGET_S", 0.0)  # one chunk per call
+    registry, chunks = _registry(tmp_path, 10 * chunks_bytes())
+    first = registry.handle_control("hicache_ext.placement.inputs", {})[0]
+    assert sorted(first["stored"]) == sorted(c.content_hash for c in chunks)
+    estimated = [c for c in first["chunks"] if c["estimated"]]
+    measured = [c for c in first["chunks"] if not c["estimated"]]
+    assert len(measured) == 1 and len(estimated) == 2
+    for chunk in estimated:  # the registered size exactly, the others per token alike
+        assert chunk["nbytes"]["none"] == chunks_bytes()
+        assert chunk["nbytes"]["int8"] == pytest.approx(measured[0]["nbytes"]["int8"], rel=0.01)
+    again = registry.handle_control("hicache_ext.placement.inputs", {})[0]
+    assert sum(not c["estimated"] for c in again["chunks"]) == 2
 
 
 def test_probe_rows_are_the_registered_rows_through_the_codec(tmp_path: Path) -> None:

@@ -57,6 +57,16 @@ def test_usage_counts_reads_decays_them_and_keeps_recent_questions() -> None:
     assert usage.use("a") == (0.0, ())
 
 
+def test_reads_after_a_rounds_snapshot_stay_in_the_next_round() -> None:
+    usage = ChunkUsage()
+    usage.record(["a"], [1])
+    usage.record(["a"], [1])
+    snapshot = usage.reads()  # what the round planned with
+    usage.record(["a"], [1])  # read while the round profiled
+    usage.end_round(["a"], snapshot)
+    assert usage.use("a").frequency == pytest.approx(1 + DECAY * 2)
+
+
 def test_probes_prefer_recorded_questions_and_quality_is_token_f1() -> None:
     templates = [[100], [101], [102]]
     assert probe_questions([[1], [2]], templates, count=2) == [[2], [1]]  # most recent first

@@ -180,11 +180,11 @@ class PlacementControl:
         assert store.disk is not None
         keys = [key for key in store.stored_keys() if key in store.disk]
         deadline = time.perf_counter() + MEASURE_BUDGET_S
-        for key in keys:  # the measuring, within the budget
-            if time.perf_counter() >= deadline:
-                break
+        for key in keys:  # the measuring: at least one chunk a call, then within the budget
             if key not in self._costs:
                 self._measure_logged(key)
+                if time.perf_counter() >= deadline:
+                    break
         per_token = self._per_token()
         self._round_reads = self.usage.reads()
         chunks = []
