@@ -17,7 +17,8 @@ the local disk tier, throttled to the rate of `benchmarks/results/fusion_tiers.j
               holds what the placement put there (`chunk_promote_on_read: false`);
   live        dense chunks and LRU during the warm-up, then the server's own placement round
               (`POST /hicache_ext/placement`: probes every chunk, places per chunk;
-              `benchmarks/placement_live.py`).
+              `benchmarks/placement_live.py`); `live#int8`: chunks registered int8 (the disk
+              keeps int8 rows), host memory holds int8 or int4 as the round places them.
 
 Quality of a context under a codec is the profile of `fusion_retention_qwen_codecs.json`: token
 F1 of Qwen2.5-0.5B's answer to the context's real question with the codec's chunks against its
@@ -184,7 +185,8 @@ def run_policy(
     plan_args: tuple[float, float] = (20.0, 0.9),
 ) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix=f"bench-placement-{policy.replace('#', '-')}-"))
-    live = None if policy != "live" else {"alpha": plan_args[0], "quality_floor": plan_args[1]}
+    adaptive = policy.partition("#")[0] == "live"
+    live = {"alpha": plan_args[0], "quality_floor": plan_args[1]} if adaptive else None
     settings = {
         "chunk_store_bytes": budget,
         "chunk_disk_dir": str(folder / "chunks"),
@@ -244,16 +246,16 @@ def run_policy(
     }
 
 
-ADAPTIVE = ("evicpress", "live")
+def _adaptive(policy: str) -> bool:
+    return policy == "evicpress" or policy.partition("#")[0] == "live"
 
 
 def summarize(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each adaptive policy against the fixed policies within 1 quality point of it."""
-    fixed = {k: v for k, v in policies.items() if k not in ADAPTIVE}
+    fixed = {k: v for k, v in policies.items() if not _adaptive(k)}
     summary = {}
-    for name in ADAPTIVE:
-        ours = policies.get(name)
-        if ours is None:
+    for name, ours in policies.items():
+        if not _adaptive(name):
             continue
         near = {k: v for k, v in fixed.items() if v["mean_quality"] >= ours["mean_quality"] - 0.01}
         best = min(near, key=lambda k: near[k]["mean_ttft_s"]) if near else None

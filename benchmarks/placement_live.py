@@ -48,11 +48,11 @@ def summarize_round(result: dict[str, Any]) -> dict[str, Any]:
         "probe_fallbacks": result["probe_fallbacks"],
         "timing": result["timing"],
         "chunks_by_form": held,
-        "mean_probe_quality": {
-            form: sum(q[form] for q in qualities) / len(qualities) for form in CODEC_ORDER
-        }
-        if qualities
-        else None,
+        "mean_probe_quality": {  # the forms every profiled chunk was probed in
+            form: sum(q[form] for q in qualities) / len(qualities)
+            for form in CODEC_ORDER
+            if qualities and all(form in q for q in qualities)
+        },
         "planned_bytes": result.get("planned_bytes"),
         "outcomes": result.get("outcomes"),
     }

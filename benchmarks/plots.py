@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,7 @@ def plot_fusion_retention(results: Path, out: Path) -> Path | None:
             if "@" in method:
                 lines.setdefault(method.split("@")[0], []).append(method)
         for index, (selector, methods) in enumerate(sorted(lines.items())):
-            methods.sort(key=lambda m: float(m.split("@")[1]))
+            methods.sort(key=lambda m: float(re.split("[#:]", m.split("@")[1])[0]))  # "0.15#int8", "0.15:keep0.25"
             xs = [summary[m]["prefill_ratio"] for m in methods]
             ys = [summary[m]["retention"] for m in methods]
             low = [y - summary[m]["retention_ci95"][0] for m, y in zip(methods, ys, strict=True)]
@@ -350,6 +351,10 @@ def main() -> int:
         plot_fusion_retention(results, results / "fusion_retention_vs_ttft.png"),
         plot_placement(results / "placement.json", results / "placement.png"),
         plot_placement(results / "placement_dram12.json", results / "placement_dram12.png"),
+        plot_placement(results / "placement_live_dram12.json", results / "placement_live_dram12.png"),
+        plot_placement(
+            results / "placement_live_int8_dram12.json", results / "placement_live_int8_dram12.png"
+        ),
         plot_decode_eviction(results / "decode_eviction.json", results / "decode_eviction.png"),
         *(
             replot_frontier(json_file.parent)
