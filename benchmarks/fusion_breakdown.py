@@ -14,6 +14,12 @@ are wrapped with timers (nothing in them changes), each stage charged its exclus
   attention  the attention op (`executor.attend`)
   overhead   KV assembly (`executor._assemble`), the pool write, and the rest (Python, layout)
 
+A selector with scoring layers first runs the question over the reused KV (`executor.
+_scoring_pass`): its own work is charged to the stages above like the prefill's, and the whole
+pass is reported apart as `scoring_pass` (inclusive seconds, not added to the total twice).
+Modes are `normal`, `reuse`, `full` or `<selector>[+modifiers]` as in
+`benchmarks/fusion_retention.py` (`default`: the server's default), at `--ratio`.
+
 The normal prefill is the executor over the whole prompt as text (every token computed, causal
 attention), which computes what the server's normal prefill computes. Modes run interleaved per
 repeat, so each ratio is measured back to back; medians over repeats, then over prompts.
@@ -47,15 +53,16 @@ from benchmarks.breakdown_report import print_table, summarize
 from benchmarks.exploratory.in_process import load_smollm2
 from benchmarks.fusion_speed import build_prompts
 from benchmarks.prefill_flops import DecoderShape, PrefillWork, fused_work, normal_work
+from benchmarks.retention_methods import parse_method
 from benchmarks.smollm2_server import MODEL, RESULTS
 from benchmarks.stage_timer import StageTimer
 from sglang_hicache_ext.fusion import adapter as adapter_module
 from sglang_hicache_ext.fusion import executor as installed_executor
 from sglang_hicache_ext.fusion import precompute_chunk
 from sglang_hicache_ext.fusion.request import Segment, TextSegment, build_layout
-from sglang_hicache_ext.fusion.selectors import FullSelector, Selector, make_selector
+from sglang_hicache_ext.fusion.selectors import FullSelector, Selector
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
-from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore
 
@@ -152,6 +159,7 @@ def run_once(
     normal: bool,
     selector: Selector,
     clock: Any = time.perf_counter,
+    tempering: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[float, Any]:
     """One prefill as the server runs it; returns its seconds on `clock` and the result."""
     began = clock()
@@ -161,7 +169,9 @@ def run_once(
     else:
         segments, pinned, *_ = pinned_chunk_segments(request.registry, request.ids)
     try:
-        result = executor.fused_prefill(adapter, segments, selector, return_kv=True)
+        result = executor.fused_prefill(
+            adapter, segments, selector, return_kv=True, context_tempering=tempering
+        )
         write_pool(request, result.kv)
     finally:
         for chunk_id in pinned:
@@ -193,20 +203,50 @@ def measure(
     """One timed run of `mode` (a selector name, or `normal`): seconds per stage and total."""
     selector_name = mode.split("@")[0]
     normal = selector_name == "normal"
-    selector = FullSelector() if normal else make_selector(selector_name, ratio)
+    method = None if normal else parse_method(_method_name(selector_name, ratio))
+    selector = FullSelector() if method is None else method.selector
+    tempering = (1.0, 1.0) if method is None else method.tempering
     selector.select = timer.timed(selector.select, "selection")  # type: ignore[method-assign]
-    with variant.applied():
+    scoring = [0.0]
+    with variant.applied(), _inclusive(variant.executor, "_scoring_pass", timer.clock, scoring):
         instrument(timer, variant.executor, adapter)
         try:
             timer.reset()
             total, result = run_once(
-                variant.executor, adapter, request, normal, selector, timer.clock
+                variant.executor, adapter, request, normal, selector, timer.clock, tempering
             )
         finally:
             timer.restore()
     row = {"total": total, **timer.seconds}
     row["overhead_other"] = total - sum(timer.seconds.values())
+    row["scoring_pass"] = scoring[0]
     return row, result
+
+
+def _method_name(mode: str, ratio: float) -> str:
+    return mode if mode in ("reuse", "full") else f"{mode}@{ratio}"
+
+
+@contextmanager
+def _inclusive(owner: Any, name: str, clock: Any, total: list[float]) -> Iterator[None]:
+    """Add the inclusive seconds of `owner.name`'s calls to total[0] (if it has one)."""
+    original = getattr(owner, name, None)
+    if original is None:
+        yield
+        return
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = clock()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            total[0] += clock() - began
+
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def measure_prompt(
@@ -255,13 +295,16 @@ def work_of(
     active = ~layout.is_chunk
     active[-1] = True
     active[result.selected] = True
-    selector = make_selector(name, 0.5)
+    selector = parse_method(_method_name(name, 0.5)).selector
     question = int(layout.is_question.sum()) if name == "a3" else 0
+    # Layers every token is computed in (a check layer, fresh layers); the scoring pass's work
+    # is not counted here (its time is, as scoring_pass).
+    full_layers = max(selector.check_layer or 0, selector.fresh_layers) or None
     return fused_work(
         shape,
         n,
         torch.nonzero(active).flatten(),
-        selector.check_layer,
+        full_layers,
         question,
         last_layer_outputs,
     )

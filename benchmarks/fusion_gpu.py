@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_hicache_ext.fusion.executor import fused_prefill, precompute_chunk
+from sglang_hicache_ext.fusion.executor import fused_prefill
+from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
 from sglang_hicache_ext.fusion.selectors import make_selector
 

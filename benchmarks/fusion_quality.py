@@ -63,12 +63,14 @@ def documents_of(example: HotpotQAExample, limit: int) -> list[str]:
     return (supporting + others)[:limit]
 
 
+def chat_prefix() -> str:
+    """What every prompt starts with: the system prompt and the user turn's header."""
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
+
+
 def chatml_prompt(documents: list[str], question: str) -> str:
     body = "\n\n".join(f"Document {i + 1}. {d}" for i, d in enumerate(documents))
-    return (
-        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{body}\n\nQuestion: {question}"
-        "<|im_end|>\n<|im_start|>assistant\n"
-    )
+    return f"{chat_prefix()}{body}\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def stream_answer(

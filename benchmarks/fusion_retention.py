@@ -34,19 +34,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from scipy.stats import bootstrap
 from tqdm import tqdm
 
-from benchmarks.fusion_quality import chatml_prompt
+from benchmarks.fusion_quality import chat_prefix, chatml_prompt
 from benchmarks.retention_methods import (
     DEFAULT_SELECTOR,
     DEFAULT_SINK_TOKENS,
@@ -54,6 +51,7 @@ from benchmarks.retention_methods import (
     split_codec,
     split_keep,
 )
+from benchmarks.retention_summary import print_table, ratio_curve, summarise
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_answer
 from sglang_hicache_ext.evaluation.fused_answers import (
@@ -69,14 +67,13 @@ from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.request import Segment, build_layout
-from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.tiers.chunk_forms import stored_codec
 from sglang_hicache_ext.tiers.chunk_forms import through_codec as stored_through_codec
 from sglang_hicache_ext.tuning.ratio.quality_floor import (
     FLOORS_FILE,
     TARGET_RETENTION,
-    CurvePoint,
     QualityFloor,
     floor_from_curve,
     record_floor,
@@ -86,7 +83,6 @@ MODELS = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}
 PREPARE = {"qwen": "make models-qwen", "smollm2": "make models"}
 ANSWER_TOKENS = 16
 SEED = 2026  # question sample: the same questions for every model and method
-ANSWERED_F1 = 0.5  # a question counts as answered from this token F1 on
 DTYPES = ("float32", "bfloat16")
 
 
@@ -117,18 +113,25 @@ def padded(
 
 
 def question_segments(
-    example: HotpotQAExample, tokenizer: Any, adapter: ModelAdapter, codec: str | None = None
+    example: HotpotQAExample,
+    tokenizer: Any,
+    adapter: ModelAdapter,
+    codec: str | None = None,
+    prefix_chunks: bool = False,
 ) -> list[Segment]:
     """The prompt with every paragraph shuffled in, each matched to its precomputed chunk the way
     the server matches them (the whole prompt tokenized, chunks found by the chunk index); with
-    `codec`, every chunk's K/V went through it (compressed and decompressed) first."""
+    `codec`, every chunk's K/V went through it (compressed and decompressed) first; with
+    `prefix_chunks`, every chunk was precomputed after the prompt's system prompt and chat header
+    (`chat_prefix`) instead of alone."""
     paragraphs = list(example.documents)
     shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
     ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
+    prefix = tokenizer.encode(chat_prefix(), add_special_tokens=False) if prefix_chunks else []
     registry = ChunkRegistry(2**34, adapter.rope_spec)
     for paragraph in paragraphs:
         tokens = tokenizer.encode(paragraph, add_special_tokens=False)
-        chunk = precompute_chunk(adapter, tokens)
+        chunk = precompute_chunk(adapter, tokens, prefix_ids=prefix)
         registry.add(chunk if codec is None else through_codec(chunk, codec))
     return pinned_chunk_segments(registry, ids)[0]
 
@@ -154,117 +157,6 @@ def measure(
         "first_kl": kl_divergence(full.first_logits, run.first_logits),
         "prefill_s": run.prefill_s,
     }
-
-
-def _interval(samples: tuple[np.ndarray, ...], statistic: Any) -> list[float]:
-    identical = len(samples) > 1 and all(np.array_equal(samples[0], o) for o in samples[1:])
-    if len(samples[0]) < 3 or identical or np.ptp(np.concatenate(samples)) == 0:
-        value = float(statistic(*samples))
-        return [value, value]
-    # BCa needs a non-degenerate jackknife; many equal F1 values (0 or 1) can defeat it, and
-    # then the percentile interval is the honest fallback.
-    for method in ("BCa", "percentile"):
-        result = bootstrap(
-            samples,
-            statistic,
-            paired=True,
-            vectorized=False,
-            n_resamples=2000,
-            confidence_level=0.95,
-            method=method,
-            random_state=0,
-        )
-        if not np.isnan(result.confidence_interval.low):
-            break
-    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
-
-
-def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
-    """Per method over the questions that have it (and reuse, for the paired KL gap): a ratio
-    curve may cover fewer questions than the methods compared at one ratio."""
-    summary: dict[str, dict[str, Any]] = {
-        "full": {
-            "questions": len(rows),
-            "f1": float(np.mean([row["f1_full"] for row in rows])),
-            "retention": 1.0,
-            "agree": 1.0,
-        }
-    }
-    for method in methods:
-        have = [row for row in rows if method in row["methods"] and "reuse" in row["methods"]]
-        runs = [row["methods"][method] for row in have]
-        f1_full = np.array([row["f1_full"] for row in have])
-        f1 = np.array([run["f1"] for run in runs])
-        kl = np.array([run["kl"] for run in runs])
-        kl_reuse = np.array([row["methods"]["reuse"]["kl"] for row in have])
-        summary[method] = {
-            "questions": len(have),
-            "f1_full": float(f1_full.mean()),
-            "f1": float(f1.mean()),
-            "retention": float(f1.mean() / f1_full.mean()),
-            "retention_ci95": _interval((f1, f1_full), lambda a, b: a.mean() / b.mean()),
-            "agree": statistics.mean(run["agree"] for run in runs),
-            "kl": float(kl.mean()),
-            "first_kl": statistics.mean(run["first_kl"] for run in runs),
-            "prefill_ratio": statistics.median(
-                run["prefill_s"] / row["full_prefill_s"]
-                for run, row in zip(runs, have, strict=True)
-            ),
-            "kl_gap_closed": float(1 - kl.mean() / kl_reuse.mean()),
-            "kl_gap_closed_ci95": _interval((kl, kl_reuse), lambda a, b: 1 - a.mean() / b.mean()),
-            **_answers_kept(f1_full, f1),
-        }
-    return summary
-
-
-def _answers_kept(f1_full: np.ndarray, f1: np.ndarray) -> dict[str, Any]:
-    answered = f1_full >= ANSWERED_F1
-    kept = (f1[answered] >= ANSWERED_F1).astype(float)
-    return {
-        "answered_by_full": int(answered.sum()),
-        "kept": float(kept.mean()) if len(kept) else float("nan"),
-        "kept_ci95": _interval((kept,), np.mean) if len(kept) else [float("nan")] * 2,
-        "gained": int((f1[~answered] >= ANSWERED_F1).sum()),
-    }
-
-
-def ratio_curve(summary: dict[str, dict[str, Any]], selector: str) -> tuple[CurvePoint, ...]:
-    """F1 retention of `selector` (e.g. "a3+sink4") at every ratio the summary measured."""
-    curve = []
-    for method, values in summary.items():
-        name, _, ratio = method.partition("@")
-        if name == selector and ratio.replace(".", "", 1).isdigit():  # no codec, no eviction
-            low, high = values["retention_ci95"]
-            curve.append(
-                CurvePoint(float(ratio), values["retention"], (low, high), values["questions"])
-            )
-    return tuple(sorted(curve))
-
-
-def print_table(summary: dict[str, dict[str, Any]]) -> None:
-    """The summary as the markdown table the docs show."""
-    print(
-        "| method | questions | F1 | F1 retention [95 % CI] | answers kept [95 % CI] | gained "
-        "| agrees with full | teacher-forced KL | KL gap closed [95 % CI] | prefill time ÷ full |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for method, v in summary.items():
-        ci = v.get("retention_ci95", [1.0, 1.0])
-        retention = f"{v['retention']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
-        gap = ""
-        if "kl_gap_closed" in v:
-            low, high = v["kl_gap_closed_ci95"]
-            gap = f"{v['kl_gap_closed']:.2f} [{low:.2f}, {high:.2f}]"
-        kl = f"{v['kl']:.4f}" if "kl" in v else "0"
-        kept = "1.00" if "kept" not in v else f"{v['kept']:.2f} [{v['kept_ci95'][0]:.2f}, "
-        kept += "" if "kept" not in v else f"{v['kept_ci95'][1]:.2f}] of {v['answered_by_full']}"
-        gained = str(v.get("gained", 0))
-        time_ratio = f"{v.get('prefill_ratio', 1.0):.2f}"
-        print(
-            f"| `{method}` | {v['questions']} | {v['f1']:.3f} | {retention} | {kept} | {gained} "
-            f"| {v['agree']:.2f} "
-            f"| {kl} | {gap} | {time_ratio} |"
-        )
 
 
 def write_summary(
@@ -328,8 +220,9 @@ def main() -> int:
     )
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m != "full"]
-    selectors = {m: parse_method(split_codec(m)[0]) for m in methods}
-    codecs = sorted({c for m in methods if (c := split_codec(m)[1]) is not None})
+    parsed = {m: parse_method(split_codec(m)[0]) for m in methods}
+    # Chunk sets other than the plain one: (codec, precomputed after the prefix).
+    variants = {(split_codec(m)[1], parsed[m].prefix_chunks) for m in methods} - {(None, False)}
     suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + (
         "" if args.seed == SEED else f"_seed{args.seed}"
     )
@@ -343,6 +236,7 @@ def main() -> int:
         return 0
     torch.set_num_threads(args.threads)
     tokenizer, adapter = load_model(args.model, getattr(torch, args.dtype))
+    other_dtype = None  # the float32 model of the `full+fp32` noise floor, loaded when asked
     stop = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
     earlier = json.loads(out.read_text()) if args.resume and out.exists() else {"rows": []}
     if earlier.get("dtype", args.dtype) != args.dtype:
@@ -350,6 +244,7 @@ def main() -> int:
     rows: list[dict[str, Any]] = earlier["rows"]
     by_qid = {row["qid"]: row for row in rows}
     examples = load_hotpotqa(args.questions, seed=args.seed)
+    companion: list[Segment] | None = None  # the `full+batch` noise floor's other prompt
     for example in tqdm(examples, desc=args.model, disable=None):
         example = padded(example, examples, tokenizer, args.min_prompt_tokens)
         row = by_qid.get(example.qid)
@@ -374,15 +269,28 @@ def main() -> int:
         elif row["full"] != full_text:
             raise RuntimeError(f"{example.qid}: the full prefill's answer did not reproduce")
         row["full_prefill_s"] = full.prefill_s
-        coded = {codec: question_segments(example, tokenizer, adapter, codec) for codec in codecs}
+        chunk_sets = {(None, False): segments}
+        for codec, prefix in variants:
+            chunk_sets[codec, prefix] = question_segments(example, tokenizer, adapter, codec, prefix)
         for method in missing:
-            codec = split_codec(method)[1]
-            on = segments if codec is None else coded[codec]
-            keep = split_keep(method)[1]
+            spec = parsed[method]
+            model = adapter
+            if spec.noise == "fp32":
+                other_dtype = other_dtype or load_model(args.model, torch.float32)[1]
+                model = other_dtype
             run = run_method(
-                adapter, on, selectors[method], stop, ANSWER_TOKENS, full.answer, keep
+                model,
+                chunk_sets[split_codec(method)[1], spec.prefix_chunks],
+                spec.selector,
+                stop,
+                ANSWER_TOKENS,
+                full.answer,
+                split_keep(method)[1],
+                spec.tempering,
+                (companion or segments) if spec.noise == "batch" else None,
             )
             row["methods"][method] = measure(full, run, tokenizer, example.answer, full_text)
+        companion = segments
         partial = {"model": MODELS[args.model], "dtype": args.dtype, "rows": rows}
         out.write_text(json.dumps(partial, indent=1) + "\n")
         tqdm.write(f"{example.qid}: {time.perf_counter() - began:.0f}s")

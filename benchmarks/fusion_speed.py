@@ -32,8 +32,14 @@ from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 
 MODES: dict[str, dict[str, object]] = {
     "normal": {},
-    # The server's default selector (question_error with 8 chunk-start sink tokens).
+    # The server's default selector (question_attention with 8 chunk-start sink tokens).
     "default_r0.15": {"fusion": True, "fusion_recompute_ratio": 0.15},
+    # The previous default (question_error with 8 sink tokens).
+    "question_error_r0.15": {
+        "fusion": True,
+        "fusion_selector": "question_error",
+        "fusion_recompute_ratio": 0.15,
+    },
     "a3_r0.15": {"fusion": True, "fusion_selector": "a3", "fusion_recompute_ratio": 0.15},
     "epic_r0.15": {"fusion": True, "fusion_selector": "epic", "fusion_recompute_ratio": 0.15},
     "reuse": {"fusion": True, "fusion_selector": "reuse", "fusion_recompute_ratio": 0.0},

@@ -1,15 +1,43 @@
-"""The method names of `benchmarks/fusion_retention.py`: `full`, `reuse`,
-`<selector>[+sink<N>]@<ratio>` (`default`: the server's default selector and sinks), then
-optionally `#<codec>` (chunks stored through a codec) and `:keep<C>` (decode-time eviction)."""
+"""The method names of `benchmarks/fusion_retention.py`.
+
+`full`, `reuse` or `<selector>@<ratio>` (`default`: the server's default selector and its
+options), each followed by modifiers joined with `+`:
+
+- `sink<N>`: each chunk's first N tokens first in the budget (EPIC);
+- `fresh<F>`: every token computed in the first F layers and that KV kept (CacheBlend);
+- `layers<a>-<b>`: the scoring layers of `question_attention`, as fractions of the depth;
+- `prefix`: chunks precomputed after the prompt's system prompt and chat header instead of
+  alone (`fusion/precompute.py`);
+- `ape` or `ape<T>x<S>`: the question's attention over the chunks tempered as APE does
+  (default T = S = 0.9, the APE code's);
+- `fp32`, `batch` (with `full` only): the full prefill again in float32, or inside a batch with
+  another prompt: the noise floor of "agrees with the full prefill".
+
+then optionally `#<codec>` (chunks stored through a codec) and `:keep<C>` (decode-time eviction).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.selectors import Selector
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
-DEFAULT_SELECTOR = ExtensionSettings().fusion_selector
-DEFAULT_SINK_TOKENS = ExtensionSettings().fusion_sink_tokens
+_DEFAULTS = ExtensionSettings()
+DEFAULT_SELECTOR = _DEFAULTS.fusion_selector
+DEFAULT_SINK_TOKENS = _DEFAULTS.fusion_sink_tokens
+APE_DEFAULT = (0.9, 0.9)
+
+
+@dataclass(frozen=True)
+class Method:
+    """How one method prefills: the selector, which chunk KV it reads, the attention it uses."""
+
+    selector: Selector
+    prefix_chunks: bool = False
+    tempering: tuple[float, float] = (1.0, 1.0)
+    noise: str | None = field(default=None)  # "fp32" or "batch": a full prefill computed otherwise
 
 
 def split_codec(method: str) -> tuple[str, str | None]:
@@ -24,11 +52,40 @@ def split_keep(method: str) -> tuple[str, float | None]:
     return name, float(keep) if sep else None
 
 
-def parse_method(method: str) -> Selector:
-    if method in ("full", "reuse"):
-        return make_selector(method, 1.0 if method == "full" else 0.0)
+def parse_method(method: str) -> Method:
     name, _, ratio = method.partition("@")
-    name, plus, sinks = name.partition("+sink")
-    if name == "default":  # the server's default: its selector and, unless given, its sinks
-        name, sinks = DEFAULT_SELECTOR, sinks if plus else str(DEFAULT_SINK_TOKENS)
-    return make_selector(name, float(ratio), sink_tokens=int(sinks or 0))
+    base, *modifiers = name.split("+")
+    options: dict[str, object] = {}
+    prefix, tempering, noise = False, (1.0, 1.0), None
+    if base == "default":
+        base = DEFAULT_SELECTOR
+        options["sink_tokens"] = DEFAULT_SINK_TOKENS
+    for modifier in modifiers:
+        if modifier.startswith("sink"):
+            options["sink_tokens"] = int(modifier[4:])
+        elif modifier.startswith("fresh"):
+            options["fresh_layers"] = int(modifier[5:])
+        elif modifier.startswith("layers"):
+            start, end = modifier[6:].split("-")
+            options["layers"] = (float(start), float(end))
+        elif modifier == "prefix":
+            prefix = True
+        elif modifier.startswith("ape"):
+            given = modifier[3:]
+            t, s = given.split("x") if given else APE_DEFAULT
+            tempering = (float(t), float(s))
+        elif modifier in ("fp32", "batch") and base == "full":
+            noise = modifier
+        else:
+            raise SystemExit(f"unknown modifier {modifier!r} in method {method!r}")
+    if base in ("full", "reuse"):
+        value = 1.0 if base == "full" else 0.0
+    elif not ratio:
+        raise SystemExit(f"method {method!r} needs @<ratio>")
+    else:
+        value = float(ratio)
+    try:
+        selector = make_selector(base, value, **options)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"method {method!r}: {err}") from None
+    return Method(selector, prefix, tempering, noise)

@@ -22,7 +22,12 @@ from sglang_hicache_ext.fusion.decode_eviction import (
     keep_whole_mask,
     kept_positions,
 )
-from sglang_hicache_ext.fusion.executor import KVCache, decode_step, fused_prefill
+from sglang_hicache_ext.fusion.executor import (
+    FusionJob,
+    KVCache,
+    decode_step,
+    fused_prefill_batch,
+)
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector
 
@@ -49,12 +54,26 @@ def run_method(
     max_tokens: int,
     reference: Sequence[int] | None = None,
     decode_capacity: float | None = None,
+    context_tempering: tuple[float, float] = (1.0, 1.0),
+    batch_with: Sequence[Segment] | None = None,
 ) -> MethodRun:
     """Fused prefill with `selector`, greedy answer, logits along `reference` (teacher forcing).
-    decode_capacity: the decode keeps this fraction of the prompt's tokens (decode eviction)."""
+    decode_capacity: the decode keeps this fraction of the prompt's tokens (decode eviction);
+    context_tempering: the question's (temperature, scale) over the chunks (APE); batch_with:
+    another prompt prefilled in the same batch (its result is dropped)."""
     began = time.perf_counter()
     window = 0 if decode_capacity is None else DEFAULT_WINDOW
-    prefill = fused_prefill(adapter, segments, selector, return_kv=True, decode_window=window)
+    temperature, scale = context_tempering
+    job = FusionJob(
+        segments,
+        selector,
+        return_kv=True,
+        decode_window=window,
+        context_temperature=temperature,
+        context_scale=scale,
+    )
+    jobs = [job] if batch_with is None else [job, FusionJob(batch_with, selector)]
+    prefill = fused_prefill_batch(adapter, jobs)[0]
     prefill_s = time.perf_counter() - began
     assert prefill.kv is not None
     kv = prefill.kv

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_hicache_ext.fusion.executor import precompute_chunk
+from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.rope import apply_rope
 
 

@@ -2,11 +2,12 @@
 
 Starts `python -m sglang.launch_server` with `--radix-cache-backend hicache_ext`, HiCache (host
 tier + file tier) and the `torch_position` CPU attention backend on SmolLM2-135M-Instruct,
-registers the HotpotQA paragraphs as chunks, runs the `sgl.function` RAG program of
-examples/rag_pipeline.py with the paragraphs shuffled in the prompt, once with chunk fusion
-(the server's default: question_error, r=0.15, each chunk's first 8 tokens first in the budget;
-docs/fusion-quality.md) and once with SGLang's normal
-prefill, prints TTFT and answers side by side, and stops the server (no process is left behind).
+registers the HotpotQA paragraphs as chunks (each computed after the program's system prompt and
+chat header, as it is served), runs the `sgl.function` RAG program of examples/rag_pipeline.py
+with the paragraphs shuffled in the prompt, once with chunk fusion (the server's defaults,
+docs/fusion-quality.md) and once with SGLang's normal prefill, prints TTFT and answers side by
+side and whether the fused answer is the normal prefill's, and stops the server (no process is
+left behind).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 # `python examples/demo.py` (make demo) puts this folder first on sys.path.
-from rag_pipeline import ask, connect
+from rag_pipeline import ask, chat_prefix, connect
 
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, SMOLLM2, prepared_model
@@ -39,12 +40,11 @@ def main() -> int:
     parser.add_argument("--documents", type=int, default=6, help="HotpotQA paragraphs per prompt")
     defaults = ExtensionSettings()
     parser.add_argument("--selector", default=defaults.fusion_selector)
-    parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of chunk tokens")
     parser.add_argument(
-        "--sink-tokens",
-        type=int,
-        default=defaults.fusion_sink_tokens,
-        help="first tokens of each chunk recomputed first (docs/fusion-quality.md)",
+        "--ratio",
+        type=float,
+        default=defaults.fusion_recompute_ratio,
+        help="recompute ratio of chunk tokens",
     )
     args = parser.parse_args()
 
@@ -66,22 +66,23 @@ def main() -> int:
         with running_server(config, log_path=workdir / "server.log"):
             backend = connect(config.url)
             documents = [ex.documents[: args.documents] for ex in examples]
-            chunks = register_documents(config.url, [d for docs in documents for d in docs])
+            chunks = register_documents(
+                config.url, [d for docs in documents for d in docs], prefix=chat_prefix()
+            )
             print(
                 f"registered {len(chunks)} documents ({sum(c.num_tokens for c in chunks)} tokens)"
             )
             print(f"{'mode':<34}{'TTFT (s)':>9}{'prompt':>8}{'reused':>8}  question -> answer")
+            same = 0
             for example, docs in zip(examples, documents, strict=True):
                 shuffled = random.Random(example.qid).sample(list(docs), len(docs))
                 flush_cache(config.url)
-                with backend.fusion(
-                    selector=args.selector, recompute_ratio=args.ratio, sink_tokens=args.sink_tokens
-                ):
+                with backend.fusion(selector=args.selector, recompute_ratio=args.ratio):
                     fused = ask(shuffled, example.question)
                 flush_cache(config.url)
                 normal = ask(shuffled, example.question)
                 for label, result in (
-                    (f"fused {args.selector} r={args.ratio} s={args.sink_tokens}", fused),
+                    (f"fused {args.selector} r={args.ratio}", fused),
                     ("normal prefill", normal),
                 ):
                     print(
@@ -89,9 +90,13 @@ def main() -> int:
                         f"{example.question} -> {result.answer!r}",
                         flush=True,
                     )
+                equal = fused.answer == normal.answer
+                same += equal
                 print(
-                    f"{'':<34}TTFT fused/normal = {fused.ttft_s / normal.ttft_s:.2f}   gold: {example.answer!r}"
+                    f"{'':<34}TTFT fused/normal = {fused.ttft_s / normal.ttft_s:.2f}   "
+                    f"fused answer {'=' if equal else '!='} normal answer   gold: {example.answer!r}"
                 )
+            print(f"fused answers equal to the normal prefill's: {same} of {len(examples)}")
     except ServerStartError as err:
         print(f"demo failed: {err}", file=sys.stderr)
         return 1

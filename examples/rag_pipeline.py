@@ -21,6 +21,12 @@ from sglang_hicache_ext.sglang_ext.frontend import FusionEndpoint
 SYSTEM_PROMPT = "Answer the question using the documents. Reply with a short phrase."
 
 
+def chat_prefix() -> str:
+    """How this program's prompts start under ChatML (the system turn and the user header): the
+    prefix its documents are registered after, so their KV is computed as it is served."""
+    return f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n"
+
+
 def format_documents(documents: Sequence[str]) -> str:
     return "\n\n".join(f"Document {i + 1}. {doc}" for i, doc in enumerate(documents))
 

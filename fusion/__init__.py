@@ -19,9 +19,9 @@ from sglang_hicache_ext.fusion.executor import (
     decode_step,
     fused_prefill,
     generate_greedy,
-    precompute_chunk,
 )
 from sglang_hicache_ext.fusion.frequency import frequency_scores, low_pass
+from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, RequestLayout, TextSegment, build_layout
 from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec_from_config
 from sglang_hicache_ext.fusion.selectors import (

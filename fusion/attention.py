@@ -66,6 +66,41 @@ def position_causal_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def tempered_context_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    is_context: torch.Tensor,
+    scale: float,
+    temperature: float,
+    context_scale: float,
+) -> torch.Tensor:
+    """APE's attention of question queries [q, Hq, D] over keys at positions 0..N-1, of which
+    `is_context` [N] marks the separately encoded contexts (chunks).
+
+    The context keys' logits are divided by `temperature` (T) and their group's log-sum-exp is
+    multiplied by T x `context_scale` (S) before it competes with the other keys: with C the
+    contexts' log-sum-exp of logits / T, context key j gets weight exp(l_j / T + (S T - 1) C) / Z
+    and any other key exp(l_j) / Z. T < 1 sharpens the question's attention inside the contexts;
+    S < 1 lowers the contexts' share against the prefix and the question itself. Materialises
+    [Hq, q, N] logits: meant for the few question tokens. Returns [q, Hq, Dv].
+    """
+    group = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(group, dim=1)
+    v = value.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    key_positions = torch.arange(key.shape[0], device=key.device)
+    visible = key_positions[None, :] <= query_positions.to(key.device)[:, None]  # [q, N]
+    context = (visible & is_context.to(key.device)[None, :])[None]
+    tempered = (logits / temperature).masked_fill(~context, float("-inf"))
+    lse = torch.logsumexp(tempered, dim=-1, keepdim=True)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no context seen yet
+    adjusted = torch.where(context, tempered + (context_scale * temperature - 1) * lse, logits)
+    weights = adjusted.masked_fill(~visible[None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, v).to(query.dtype)
+
+
 def gather_attend(
     query: torch.Tensor,
     key_cache: torch.Tensor,

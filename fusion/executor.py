@@ -11,19 +11,22 @@ and attention runs per request.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
-from sglang_hicache_ext.fusion.attention import attend
-from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.attention import attend, tempered_context_attention
 from sglang_hicache_ext.fusion.decode_eviction import window_scores
-from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.request_state import FusionJob, KVCache, RequestState
-from sglang_hicache_ext.fusion.selectors import CheckLayerState, SelectionContext, Selector
+from sglang_hicache_ext.fusion.selectors import (
+    CheckLayerState,
+    ReuseSelector,
+    SelectionContext,
+    Selector,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,32 +65,6 @@ class GenerationResult:
 
 
 @torch.inference_mode()
-def precompute_chunk(
-    adapter: ModelAdapter, token_ids: Sequence[int], alpha: float = DEFAULT_ALPHA
-) -> PrecomputedChunk:
-    """Prefill a chunk alone at positions 0..n-1; keep pre-RoPE K, V and frequency scores."""
-    ids = tuple(int(t) for t in token_ids)
-    if not ids:
-        raise ValueError("cannot precompute an empty chunk")
-    device = adapter.device
-    positions = torch.arange(len(ids), device=device)
-    hidden = adapter.embed(torch.tensor(ids, device=device))
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    for layer in range(adapter.shape.num_layers):
-        q, k, v = adapter.attention_inputs(layer, hidden)
-        keys.append(k.contiguous())
-        values.append(v.contiguous())
-        q, k = adapter.rotate(q, positions), adapter.rotate(k, positions)
-        attn = attend(q, k, v, positions, positions, adapter.attn_scale)
-        hidden = adapter.attention_output(layer, hidden, attn)
-    scores = torch.stack([frequency_scores(k, v, alpha) for k, v in zip(keys, values, strict=True)])
-    return PrecomputedChunk(
-        token_ids=ids, keys=tuple(keys), values=tuple(values), freq_scores=scores, alpha=alpha
-    )
-
-
-@torch.inference_mode()
 def fused_prefill(
     adapter: ModelAdapter,
     segments: Sequence[Segment],
@@ -98,10 +75,20 @@ def fused_prefill(
     exact_prefix: KVCache | None = None,
     outputs_from: int | None = None,
     decode_window: int = 0,
+    context_tempering: tuple[float, float] = (1.0, 1.0),
 ) -> FusionResult:
-    """Prefill `segments` reusing chunk KV, recomputing what `selector` picks (see FusionJob)."""
+    """Prefill `segments` reusing chunk KV, recomputing what `selector` picks (see FusionJob);
+    `context_tempering` is the question's (temperature, scale) over the chunks."""
+    temperature, scale = context_tempering
     job = FusionJob(
-        segments, selector, exact_prefix, outputs_from, return_kv, decode_window=decode_window
+        segments,
+        selector,
+        exact_prefix,
+        outputs_from,
+        return_kv,
+        decode_window=decode_window,
+        context_temperature=temperature,
+        context_scale=scale,
     )
     return fused_prefill_batch(adapter, [job], attention_backend=attention_backend)[0]
 
@@ -116,33 +103,54 @@ def fused_prefill_batch(
         return []
     states = [RequestState(adapter, job) for job in jobs]
     try:
+        scored = [state for state in states if state.scoring_layers]
+        if scored:
+            _scoring_pass(adapter, scored, attention_backend)
         return _run_layers(adapter, states, attention_backend)
     finally:
         for state in states:
             state.loader.close()
 
 
+def _scoring_pass(
+    adapter: ModelAdapter, states: list[RequestState], attention_backend: str
+) -> None:
+    """The question over the reused KV (no chunk token computed), up to the last scoring layer:
+    its attention to each chunk token at the scoring layers, summed, becomes each state's
+    selection (ProphetKV's first pass). Costs about a pure-reuse prefill of those layers."""
+    passes = [
+        RequestState(
+            adapter,
+            replace(
+                state.job,
+                selector=ReuseSelector(),
+                outputs_from=None,
+                return_kv=False,
+                decode_window=0,
+                record_layers=state.scoring_layers,
+            ),
+        )
+        for state in states
+    ]
+    for state, scoring in zip(states, passes, strict=True):
+        # Rows of slow-tier chunks read here serve the prefill too (read once, not twice).
+        scoring.loader.close()
+        scoring.loader = state.loader
+        state.loader.retain = True
+    try:
+        _walk_layers(adapter, passes, attention_backend, max(max(s.scoring_layers) for s in states))
+    finally:
+        for state in states:
+            state.loader.retain = False
+    for state, scoring in zip(states, passes, strict=True):
+        assert scoring.question_attention is not None
+        state.apply_scores(scoring.question_attention)
+
+
 def _run_layers(
     adapter: ModelAdapter, states: list[RequestState], attention_backend: str
 ) -> list[FusionResult]:
-    hidden = adapter.embed(_cat([state.active_token_ids() for state in states]))
-    for layer in range(adapter.shape.num_layers):
-        for state in states:  # this layer's rows if not yet asked for, and the next layer's
-            state.prefetch(layer)
-            state.prefetch(layer + 1)
-        q, k, v = adapter.attention_inputs(layer, hidden)
-        q_pos = _cat([state.q_pos for state in states])
-        q, k = adapter.rotate(q, q_pos), adapter.rotate(k, q_pos)
-        sizes = [state.num_active for state in states]
-        kept, attended = [], []
-        for state, *rows in zip(
-            states, hidden.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes), strict=True
-        ):
-            state.computed.append(int(rows[0].shape[0]))
-            rows_kept, attn = _attend_request(adapter, state, layer, *rows, attention_backend)
-            kept.append(rows_kept)
-            attended.append(attn)
-        hidden = adapter.attention_output(layer, _cat(kept), _cat(attended))
+    hidden = _walk_layers(adapter, states, attention_backend, adapter.shape.num_layers - 1)
     finals = hidden.split([state.num_active for state in states])
     logits = adapter.logits(_cat([final[-1:] for final in finals])).float()
     return [
@@ -162,6 +170,32 @@ def _run_layers(
     ]
 
 
+def _walk_layers(
+    adapter: ModelAdapter, states: list[RequestState], attention_backend: str, last_layer: int
+) -> torch.Tensor:
+    """Layers 0..last_layer; returns the active rows' hidden states after the last."""
+    hidden = adapter.embed(_cat([state.active_token_ids() for state in states]))
+    for layer in range(last_layer + 1):
+        for state in states:  # this layer's rows if not yet asked for, and the next layer's
+            state.prefetch(layer)
+            if layer < last_layer:  # a scoring pass stops early: read nothing past it
+                state.prefetch(layer + 1)
+        q, k, v = adapter.attention_inputs(layer, hidden)
+        q_pos = _cat([state.q_pos for state in states])
+        q, k = adapter.rotate(q, q_pos), adapter.rotate(k, q_pos)
+        sizes = [state.num_active for state in states]
+        kept, attended = [], []
+        for state, *rows in zip(
+            states, hidden.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes), strict=True
+        ):
+            state.computed.append(int(rows[0].shape[0]))
+            rows_kept, attn = _attend_request(adapter, state, layer, *rows, attention_backend)
+            kept.append(rows_kept)
+            attended.append(attn)
+        hidden = adapter.attention_output(layer, _cat(kept), _cat(attended))
+    return hidden
+
+
 def _attend_request(
     adapter: ModelAdapter,
     state: RequestState,
@@ -172,8 +206,9 @@ def _attend_request(
     v: torch.Tensor,
     attention_backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's attention at `layer`; at its check layer, the selection narrows its rows.
-    Returns the hidden rows that go on and their attention output."""
+    """One request's attention at `layer`: at its check layer the selector chooses, at its
+    narrowing layer the rows narrow to the selection. Returns the hidden rows that go on and
+    their attention output."""
     layout = state.layout
     prefix_k, prefix_v = state.prefix_kv(layer, k.dtype)
     if layer == state.check_layer:
@@ -187,17 +222,35 @@ def _attend_request(
         check = CheckLayerState(
             layer, queries, layer_k, layer_v, reused.keys, reused.values, adapter.attn_scale
         )
-        keep = state.narrow(state.selector.select(SelectionContext(layout, check)))
+        state.selected = state.selector.select(SelectionContext(layout, check))
+    elif layer == state.narrow_layer:
+        layer_k, layer_v = _after(prefix_k, k), _after(prefix_v, v)  # every token still fresh
+    if layer == state.narrow_layer:
+        keep = state.narrow(state.selected)
         state.prefetch(layer + 1)  # the selection is known: start reading what follows
         q, hidden = q[keep], hidden[keep]
-    else:
+    elif layer != state.check_layer:
         reused = _load_reused(adapter, state, layer, state.plan)
         layer_k, layer_v = _assemble(
             reused, k, v, state.active_idx, state.num_tokens, prefix_k, prefix_v
         )
+    if layer in state.job.record_layers:
+        state.record_question_attention(q, layer_k, adapter.attn_scale)
     attn = attend(
         q, layer_k, layer_v, state.q_pos, state.positions, adapter.attn_scale, attention_backend
     )
+    if state.job.tempered:
+        question = state.layout.is_question.to(q.device)[state.active_idx]
+        attn[question] = tempered_context_attention(
+            q[question],
+            layer_k,
+            layer_v,
+            state.q_pos[question],
+            state.layout.is_chunk.to(q.device),
+            adapter.attn_scale,
+            state.job.context_temperature,
+            state.job.context_scale,
+        ).to(attn.dtype)
     if state.job.decode_window:
         # The window's queries computed at this layer (the question's always are).
         window = state.q_pos >= state.num_tokens - state.job.decode_window
@@ -337,5 +390,4 @@ __all__ = [
     "fused_prefill",
     "fused_prefill_batch",
     "generate_greedy",
-    "precompute_chunk",
 ]

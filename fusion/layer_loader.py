@@ -40,12 +40,16 @@ class LayerLoader:
         self.overlapped = overlapped
         self.wait_s = 0.0  # time the compute stood still waiting for rows (the exposed transfer)
         self._pending: dict[tuple[int, int], tuple[torch.Tensor, Future[Rows]]] = {}
+        # While `retain` is on (a scoring pass, which reads every row of its layers), what was
+        # read is kept, so the prefill after it takes its rows from memory instead of the tier.
+        self.retain = False
+        self._kept: dict[tuple[int, int], tuple[torch.Tensor, Rows]] = {}
 
     def submit(self, layer: int, span: int, chunk: StoredChunk, rows: torch.Tensor) -> None:
         """Start reading `rows` of `chunk` (occurrence `span` of the request) at `layer`."""
         if not self.overlapped or chunk.in_memory or rows.numel() == 0:
             return
-        if (layer, span) in self._pending:
+        if (layer, span) in self._pending or (layer, span) in self._kept:
             return
         future = _reader_pool().submit(chunk.rows, layer, rows.cpu())
         self._pending[layer, span] = (rows, future)
@@ -54,6 +58,9 @@ class LayerLoader:
         """The rows; waits for a submitted read (the same rows) or reads them now."""
         if chunk.in_memory:
             return chunk.rows(layer, rows)
+        kept = self._kept.get((layer, span))
+        if kept is not None:
+            return _subset(kept, rows)
         began = time.perf_counter()
         pending = self._pending.pop((layer, span), None)
         if pending is not None and torch.equal(pending[0].cpu(), rows.cpu()):
@@ -63,6 +70,8 @@ class LayerLoader:
                 pending[1].cancel()
             result = chunk.rows(layer, rows.cpu())
         self.wait_s += time.perf_counter() - began
+        if self.retain:
+            self._kept[layer, span] = (rows.cpu(), result)
         return result
 
     def close(self) -> None:
@@ -73,3 +82,16 @@ class LayerLoader:
             if not future.cancelled():
                 future.exception()
         self._pending.clear()
+        self._kept.clear()
+
+
+def _subset(kept: tuple[torch.Tensor, Rows], rows: torch.Tensor) -> Rows:
+    """`rows` (sorted local indices, all among the kept ones) out of kept rows."""
+    kept_rows, (keys, values) = kept
+    where = torch.searchsorted(kept_rows, rows.cpu())
+    if where.numel() and (
+        int(where.max()) >= kept_rows.numel() or not torch.equal(kept_rows[where], rows.cpu())
+    ):
+        raise ValueError("rows asked for were not read by the scoring pass")
+    index = where.to(keys.device)
+    return keys[index], values[index]

@@ -3,8 +3,9 @@
 Which tokens a request computes at each layer, where they sit, which stored chunk rows it loads
 instead, and what it hands back. Positions below the exact prefix hold cached KV that is neither
 computed nor queried; tokens outside chunks, the last token and every token from `outputs_from`
-on are computed at every layer; chunk tokens up to and including the selector's check layer,
-then only the selected ones.
+on are computed at every layer; chunk tokens up to and including the narrowing layer (the
+selector's check layer or its last fresh layer, whichever is later), then only the selected ones.
+A selector with scoring layers gets its scores from a scoring pass before the prefill.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from sglang_hicache_ext.fusion.request import (
     after_exact_prefix,
     build_layout,
 )
-from sglang_hicache_ext.fusion.selectors import SelectionContext, Selector
+from sglang_hicache_ext.fusion.selectors import SelectionContext, Selector, question_logits
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +69,24 @@ class FusionJob:
     # > 0: score every token by the attention of the last `decode_window` prompt queries, for a
     # decode-time eviction (`fusion.decode_eviction`); 0: no scores.
     decode_window: int = 0
+    # The question's attention to the chunk tokens, tempered as APE does (T, S): logits of
+    # question -> chunk keys divided by T and that group's log-sum-exp multiplied by T * S.
+    # (1, 1) is ordinary attention.
+    context_temperature: float = 1.0
+    context_scale: float = 1.0
+    # Layers at which to record the question's attention to every chunk token (a scoring pass).
+    record_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.context_temperature > 0 or not self.context_scale > 0:
+            raise ValueError(
+                "context temperature and scale must be > 0, got "
+                f"{self.context_temperature} and {self.context_scale}"
+            )
+
+    @property
+    def tempered(self) -> bool:
+        return (self.context_temperature, self.context_scale) != (1.0, 1.0)
 
 
 class RequestState:
@@ -90,6 +109,13 @@ class RequestState:
             always[job.outputs_from :] = True
         self.always = always
         self.check_layer = self.selector.check_layer
+        fresh = self.selector.fresh_layers
+        checked = -1 if self.check_layer is None else self.check_layer
+        # Where the computation narrows to the selection (None: it starts narrow at layer 0).
+        narrow = max(checked, min(fresh, adapter.shape.num_layers) - 1)
+        self.narrow_layer = None if narrow < 0 else narrow
+        self.scoring_layers = self.selector.scoring_layers(adapter.shape.num_layers)
+        self.question_attention: torch.Tensor | None = None
         self.selected = self.layout.chunk_positions[:0]
         self.computed: list[int] = []
         self.keys: list[torch.Tensor] = []
@@ -98,14 +124,35 @@ class RequestState:
         self.num_layers = adapter.shape.num_layers
         self.loader = LayerLoader(job.overlap_loads)
         self.narrowed = False
-        if self.check_layer is None:
+        if self.check_layer is None and not self.scoring_layers:
             self.selected = self.selector.select(SelectionContext(self.layout))
+        if self.narrow_layer is None:
             self._set_active(_with_selected(always, self.selected))
         else:
-            # Every token after the exact prefix is computed up to the check layer.
+            # Every token after the exact prefix is computed up to the narrowing layer.
             everything = torch.ones(num_tokens, dtype=torch.bool)
             everything[: self.prefix_len] = False
             self._set_active(everything)
+
+    def apply_scores(self, question_attention: torch.Tensor) -> None:
+        """Select from a scoring pass's question attention [N_chunk] (before layer 0)."""
+        ctx = SelectionContext(self.layout, question_attention=question_attention)
+        self.selected = self.selector.select(ctx)
+        if self.narrow_layer is None:
+            self._set_active(_with_selected(self.always, self.selected))
+
+    def record_question_attention(
+        self, queries: torch.Tensor, keys: torch.Tensor, scale: float
+    ) -> None:
+        """Add the softmax attention of this layer's question queries (post-RoPE, [Q, Hq, D]
+        among the active rows) to each chunk token, summed over heads and question tokens."""
+        question = self.layout.is_question.to(self.device)[self.active_idx]
+        logits = question_logits(queries[question], self.q_pos[question], keys, scale)
+        chunk = self.layout.chunk_positions.to(logits.device)
+        scores = logits.softmax(dim=-1).sum(dim=(0, 1))[chunk].cpu()
+        self.question_attention = (
+            scores if self.question_attention is None else self.question_attention + scores
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -133,14 +180,15 @@ class RequestState:
         return [torch.arange(span.length) for span in self.layout.spans]
 
     def load_plan(self, layer: int) -> list[torch.Tensor] | None:
-        """Per chunk occurrence, the stored rows `layer` reads (None: not known yet). Before
-        the check layer every token is computed (nothing to read), at it every row is read,
-        after it the rows not selected."""
-        check = self.check_layer
-        if check is None or layer < check:
+        """Per chunk occurrence, the stored rows `layer` reads (None: not known yet). Up to the
+        narrowing layer every token is computed (nothing to read) except at the check layer,
+        where every row is read for the selector; after it, the rows not selected."""
+        if self.narrow_layer is None:
             return self.plan
-        if layer == check:
+        if layer == self.check_layer:
             return self.every_row()
+        if layer <= self.narrow_layer:
+            return [rows[:0] for rows in self.every_row()]
         return self.plan if self.narrowed else None
 
     def prefetch(self, layer: int) -> None:
@@ -150,7 +198,7 @@ class RequestState:
             self.loader.submit(layer, index, span.chunk, span_rows)
 
     def narrow(self, selected: torch.Tensor) -> torch.Tensor:
-        """After the check layer: keep the selection; returns which current rows stay."""
+        """At the narrowing layer: keep the selection; returns which current rows stay."""
         self.selected = selected
         self.narrowed = True
         active = _with_selected(self.always, selected)
@@ -177,6 +225,9 @@ class RequestState:
         for span in self.layout.spans:
             span.chunk.check_compatible(shape)
         check = self.selector.check_layer
+        scored = self.selector.scoring_layers(shape.num_layers)
+        if scored and not bool(self.layout.is_question.any()):
+            raise ValueError(f"{self.selector.name} needs question tokens after the chunks")
         if check is not None and check >= shape.num_layers:
             raise ValueError(f"{self.selector.name} checks layer {check}; model has too few layers")
         num_tokens = self.layout.num_tokens

@@ -3,11 +3,16 @@
 Every selector scores the chunk tokens of a request (higher = recompute first) and `select()`
 turns scores into a fixed budget of round(ratio x chunk tokens) global positions. Selectors with
 a `check_layer` score from that layer's activations (the executor computes every token up to
-it); the others decide before layer 0 and skip the full layers entirely.
+it); selectors with `scoring_layers` score from the question's attention in a scoring pass run
+before the prefill (the question over the reused KV, `fusion/executor.py`); the others
+decide before layer 0 from stored data. Any selector can keep its first `fresh_layers` layers
+fresh for every token: every token is computed there and that KV is kept, and only then does
+the computation narrow to the selection.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -37,10 +42,12 @@ class CheckLayerState:
 
 @dataclass(frozen=True, eq=False)
 class SelectionContext:
-    """What a selector sees: the request layout and, for check-layer selectors, the activations."""
+    """What a selector sees: the request layout and, for check-layer selectors, the activations;
+    for selectors with scoring layers, the question's attention to each chunk token [N_chunk]."""
 
     layout: RequestLayout
     state: CheckLayerState | None = None
+    question_attention: torch.Tensor | None = None
 
 
 class Selector(ABC):
@@ -53,17 +60,30 @@ class Selector(ABC):
     # selections); False: one global top-k over all chunk tokens of the request.
     per_chunk: ClassVar[bool] = False
 
-    def __init__(self, ratio: float, sink_tokens: int = 0) -> None:
+    def __init__(self, ratio: float, sink_tokens: int = 0, fresh_layers: int = 0) -> None:
         _check_ratio(ratio)
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+        if fresh_layers < 0:
+            raise ValueError(f"fresh_layers must be >= 0, got {fresh_layers}")
         self.ratio = float(ratio)
         # A chunk prefilled alone makes its first tokens attention sinks; reused as-is they
         # distort every later layer, so they can be put first in the budget (as EPIC does).
         self.sink_tokens = sink_tokens
+        # An error in the first layers' KV is inherited by every later layer, and those layers
+        # are a small share of the compute: CacheBlend computes layers 0-1 for every token and
+        # keeps that KV.
+        self.fresh_layers = fresh_layers
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(ratio={self.ratio}, sink_tokens={self.sink_tokens})"
+        return (
+            f"{type(self).__name__}(ratio={self.ratio}, sink_tokens={self.sink_tokens}, "
+            f"fresh_layers={self.fresh_layers})"
+        )
+
+    def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers whose question attention a scoring pass must measure (none: no pass)."""
+        return ()
 
     def budget(self, layout: RequestLayout) -> int:
         """Number of chunk tokens to recompute in this request."""
@@ -97,8 +117,10 @@ class _FixedRatioSelector(Selector):
 
     fixed_ratio: ClassVar[float]
 
-    def __init__(self, ratio: float | None = None, sink_tokens: int = 0) -> None:
-        super().__init__(self.fixed_ratio if ratio is None else ratio, sink_tokens)
+    def __init__(
+        self, ratio: float | None = None, sink_tokens: int = 0, fresh_layers: int = 0
+    ) -> None:
+        super().__init__(self.fixed_ratio if ratio is None else ratio, sink_tokens, fresh_layers)
         self.ratio = self.fixed_ratio
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
@@ -124,8 +146,10 @@ class RandomSelector(Selector):
 
     name = "random"
 
-    def __init__(self, ratio: float, seed: int = 0, sink_tokens: int = 0) -> None:
-        super().__init__(ratio, sink_tokens)
+    def __init__(
+        self, ratio: float, seed: int = 0, sink_tokens: int = 0, fresh_layers: int = 0
+    ) -> None:
+        super().__init__(ratio, sink_tokens, fresh_layers)
         self.seed = seed
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
@@ -154,8 +178,10 @@ class FrequencySelector(Selector):
     name = "freq"
     per_chunk = True
 
-    def __init__(self, ratio: float, layer: int | None = None, sink_tokens: int = 0) -> None:
-        super().__init__(ratio, sink_tokens)
+    def __init__(
+        self, ratio: float, layer: int | None = None, sink_tokens: int = 0, fresh_layers: int = 0
+    ) -> None:
+        super().__init__(ratio, sink_tokens, fresh_layers)
         self.layer = layer
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
@@ -182,14 +208,56 @@ class A3Selector(Selector):
         question = torch.nonzero(ctx.layout.is_question).flatten().to(state.queries.device)
         if question.numel() == 0:
             raise ValueError("a3 needs question tokens (a TextSegment after the chunks)")
-        q = state.queries[question].float()
-        k = state.keys.float()
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        logits = torch.einsum("qhd,khd->hqk", q, k) * state.scale
-        key_pos = torch.arange(k.shape[0], device=k.device)
-        visible = key_pos[None, None, :] <= question[None, :, None]
-        return logits.masked_fill(~visible, float("-inf"))
+        return question_logits(state.queries[question], question, state.keys, state.scale)
+
+
+class QuestionAttentionSelector(Selector):
+    """The question's softmax attention to each chunk token, summed over heads, question tokens
+    and several layers, measured by a scoring pass of the question over the reused KV at the
+    chunks' final positions (ProphetKV, QCFuse; InfoFlow scores at final positions too).
+
+    One check layer (A3) sees attention that mostly tracks distance and sink tokens; the middle
+    layers are where a question reads the content it needs. `layers` is a [start, end) range as
+    fractions of the model's depth, so one setting serves models of any depth.
+    """
+
+    name = "question_attention"
+    DEFAULT_LAYERS: ClassVar[tuple[float, float]] = (0.25, 0.75)
+
+    def __init__(
+        self,
+        ratio: float,
+        sink_tokens: int = 0,
+        fresh_layers: int = 0,
+        layers: tuple[float, float] = DEFAULT_LAYERS,
+    ) -> None:
+        super().__init__(ratio, sink_tokens, fresh_layers)
+        start, end = layers
+        if not 0.0 <= start < end <= 1.0:
+            raise ValueError(f"scoring layers must satisfy 0 <= start < end <= 1, got {layers}")
+        self.layers = (float(start), float(end))
+
+    def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
+        first = min(math.floor(self.layers[0] * num_layers), num_layers - 1)
+        return tuple(range(first, max(first + 1, math.ceil(self.layers[1] * num_layers))))
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        if ctx.question_attention is None:
+            raise ValueError(f"selector {self.name!r} needs a scoring pass")
+        return ctx.question_attention
+
+
+def question_logits(
+    queries: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Scaled q.k [heads, queries, keys] of post-RoPE `queries` [Q, Hq, D] at global `positions`
+    over `keys` [N, Hkv, D] at 0..N-1; -inf where a key lies after its query."""
+    q = queries.float()
+    k = keys.float().repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q, k) * scale
+    key_pos = torch.arange(k.shape[0], device=k.device)
+    visible = key_pos[None, None, :] <= positions.to(k.device)[None, :, None]
+    return logits.masked_fill(~visible, float("-inf"))
 
 
 class CacheBlendSelector(Selector):
@@ -252,6 +320,7 @@ SELECTORS: dict[str, type[Selector]] = {
     cls.name: cls
     for cls in (
         QuestionErrorSelector,
+        QuestionAttentionSelector,
         A3Selector,
         FrequencySelector,
         CacheBlendSelector,

@@ -32,14 +32,17 @@ class ChunkRegistrationError(RuntimeError):
 
 
 def register_documents(
-    url: str, documents: Sequence[str], timeout_s: float = 600.0
+    url: str, documents: Sequence[str], timeout_s: float = 600.0, prefix: str | None = None
 ) -> list[RegisteredChunk]:
-    """POST each document to `/chunks` (idempotent); returns their ids in order."""
+    """POST each document to `/chunks` (idempotent); returns their ids in order. `prefix`: the
+    text the documents are computed after (the prompts' system prompt and chat header; None:
+    the server's setting chunk_prefix)."""
     registered = []
     for document in documents:
-        response = requests.post(
-            url.rstrip("/") + "/chunks", json={"text": document}, timeout=timeout_s
-        )
+        body: dict[str, Any] = {"text": document}
+        if prefix is not None:
+            body["prefix"] = prefix
+        response = requests.post(url.rstrip("/") + "/chunks", json=body, timeout=timeout_s)
         if response.status_code != 200:
             raise ChunkRegistrationError(
                 f"/chunks answered {response.status_code}: {response.text}"
@@ -54,8 +57,9 @@ class FusionRequest:
     """Per-request fusion options, as the server's `custom_params` keys.
 
     None leaves an option to the server's settings (`fusion_selector`, `fusion_recompute_ratio`,
-    `fusion_sink_tokens`, `fusion_overlap_loads`, `fusion_decode_capacity`), the one place where
-    its default is written. `recompute_ratio="auto"`: the ratio tuned for the tier each chunk is
+    `fusion_sink_tokens`, `fusion_fresh_layers`, `fusion_context_temperature`,
+    `fusion_context_scale`, `fusion_overlap_loads`, `fusion_decode_capacity`), the one place
+    where its default is written. `recompute_ratio="auto"`: the ratio tuned for the tier each chunk is
     loaded from; `decode_capacity`: the share of the prompt's rows the decode attends.
     """
 
@@ -65,6 +69,9 @@ class FusionRequest:
     sink_tokens: int | None = None
     overlap_loads: bool | None = None
     decode_capacity: float | None = None
+    fresh_layers: int | None = None
+    context_temperature: float | None = None
+    context_scale: float | None = None
 
     def custom_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"fusion": self.enabled}
@@ -74,6 +81,9 @@ class FusionRequest:
             "fusion_sink_tokens": self.sink_tokens,
             "fusion_overlap_loads": self.overlap_loads,
             "fusion_decode_capacity": self.decode_capacity,
+            "fusion_fresh_layers": self.fresh_layers,
+            "fusion_context_temperature": self.context_temperature,
+            "fusion_context_scale": self.context_scale,
         }
         params.update({key: value for key, value in optional.items() if value is not None})
         return params

@@ -17,12 +17,15 @@ import torch
 
 from sglang_hicache_ext.fusion.rope import rope_spec_from_config
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
+    registration_codec,
+    registration_id,
+    registration_prefix_tokens,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     CONTROL_PREFIX,
     ChunkRegistry,
     chunk_namespace,
-    registration_codec,
-    registration_id,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
@@ -109,8 +112,16 @@ def cache_class() -> type:
                 tokens = list(req.origin_input_ids)
                 slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(tokens)]
                 kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
+                # The prefix's rows stay the tree's (cached like any prompt's); the chunk's
+                # rows are those after it.
+                start = registration_prefix_tokens(req)
                 self.chunks.capture(
-                    chunk_id, tokens, kv_pool, slots.to(torch.long), registration_codec(req)
+                    chunk_id,
+                    tokens[start:],
+                    kv_pool,
+                    slots[start:].to(torch.long),
+                    registration_codec(req),
+                    tuple(tokens[:start]),
                 )
 
             def ext_status(self) -> dict[str, Any]:
@@ -146,7 +157,8 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     cache.settings = settings
     cache.chunks, cache.chunks_unavailable = _chunk_registry(ctx, settings)
     cache.disk_tier = _install_disk_tier(cache)
-    fused_prefill.install_runtime(cache.chunks, settings)
+    model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
+    fused_prefill.install_runtime(cache.chunks, settings, model_name)
     logger.info(
         "hicache_ext radix cache ready: tree_core=%s hierarchical_cache=%s",
         settings.tree_core,

@@ -13,7 +13,7 @@ import torch
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.request import ChunkSegment
 from sglang_hicache_ext.fusion.rope import RopeSpec
-from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, chunk_namespace
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.tiers import chunk_disk

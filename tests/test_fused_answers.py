@@ -16,7 +16,7 @@ from sglang_hicache_ext.evaluation.fused_answers import (
     teacher_forced_kl,
 )
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_hicache_ext.fusion.executor import precompute_chunk
+from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment
 from sglang_hicache_ext.fusion.selectors import make_selector
 

@@ -15,26 +15,47 @@ DEFAULTS = ExtensionSettings(
     fusion_selector="a3",
     fusion_recompute_ratio=0.15,
     fusion_sink_tokens=0,
+    fusion_fresh_layers=0,
+    fusion_context_temperature=1.0,
+    fusion_context_scale=1.0,
 )
+PLAIN = {"fresh_layers": 0, "context_temperature": 1.0, "context_scale": 1.0}
 
 
 def test_shipped_default_is_the_measured_closest_selector() -> None:
-    # docs/fusion-quality.md: question_error + 8 sink tokens closes the most teacher-forced KL
+    # docs/fusion-quality.md: question_attention + 8 sink tokens closes the most teacher-forced
+    # KL; fresh layers and APE's tempering measured no better, so they are off by default.
     shipped = parse_options({"fusion": True}, ExtensionSettings())
     assert (shipped.selector, shipped.sink_tokens, shipped.recompute_ratio) == (
-        "question_error",
+        "question_attention",
         8,
         0.15,
     )
+    assert (shipped.fresh_layers, shipped.context_temperature, shipped.context_scale) == (0, 1, 1)
 
 
 def test_defaults_and_overrides() -> None:
     assert parse_options(None, DEFAULTS) == FusionOptions(
-        enabled=False, selector="a3", recompute_ratio=0.15, sink_tokens=0, overlap_loads=True
+        enabled=False,
+        selector="a3",
+        recompute_ratio=0.15,
+        sink_tokens=0,
+        overlap_loads=True,
+        **PLAIN,
     )
     assert parse_options({"fusion": True, "fusion_recompute_ratio": 1}, DEFAULTS) == FusionOptions(
-        enabled=True, selector="a3", recompute_ratio=1.0, sink_tokens=0, overlap_loads=True
+        enabled=True,
+        selector="a3",
+        recompute_ratio=1.0,
+        sink_tokens=0,
+        overlap_loads=True,
+        **PLAIN,
     )
+    assert parse_options({"fusion_fresh_layers": 2}, DEFAULTS).fresh_layers == 2
+    tempered = parse_options(
+        {"fusion_context_temperature": 0.9, "fusion_context_scale": 0.8}, DEFAULTS
+    )
+    assert (tempered.context_temperature, tempered.context_scale) == (0.9, 0.8)
     assert parse_options({"fusion_selector": "epic", "other_key": 3}, DEFAULTS).selector == "epic"
     assert parse_options({"fusion_sink_tokens": 4}, DEFAULTS).sink_tokens == 4
     assert not parse_options({"fusion_overlap_loads": False}, DEFAULTS).overlap_loads
@@ -73,6 +94,12 @@ def test_frontend_sends_only_the_options_it_sets() -> None:
         ({"fusion_recompute_ratio": "0.1"}, r"in \[0, 1\]"),
         ({"fusion_selector": "nope"}, "is unknown"),
         ({"fusion_sink_tokens": -1}, "integer >= 0"),
+        ({"fusion_fresh_layers": -1}, "integer >= 0"),
+        ({"fusion_fresh_layers": 1.5}, "integer >= 0"),
+        ({"fusion_context_temperature": 0}, r"fusion_context_temperature must be a number > 0"),
+        ({"fusion_context_scale": -0.5}, r"fusion_context_scale must be a number > 0"),
+        ({"fusion_context_scale": 10}, r"fusion_context_scale must be a number .*<= 4"),
+        ({"fusion_context_temperature": "hot"}, "must be a number"),
         ({"fusion_sink_tokens": 1.5}, "integer >= 0"),
         ({"fusion_sink_tokens": True}, "integer >= 0"),
         ({"fusion": 1}, "true or false"),
@@ -85,9 +112,10 @@ def test_bad_options(params: object, message: str) -> None:
         parse_options(params, DEFAULTS)
 
 
-def test_auto_ratio_needs_the_servers_ratio_table() -> None:
-    with pytest.raises(ValueError, match=r'"auto" needs a ratio table.*fusion_ratio_table'):
-        parse_options({"fusion": True, "fusion_recompute_ratio": "auto"}, DEFAULTS)
+def test_auto_ratio_with_and_without_a_ratio_table() -> None:
+    # Without a table the server tunes "auto" itself (tuning/ratio/self_tuned.py).
+    untuned = parse_options({"fusion": True, "fusion_recompute_ratio": "auto"}, DEFAULTS)
+    assert untuned.recompute_ratio == "auto"
     tuned = DEFAULTS.model_copy(update={"fusion_ratio_table": "/srv/ratios.json"})
     options = parse_options({"fusion": True, "fusion_recompute_ratio": "auto"}, tuned)
     assert options.recompute_ratio == "auto"
@@ -95,9 +123,13 @@ def test_auto_ratio_needs_the_servers_ratio_table() -> None:
         parse_options({"fusion_recompute_ratio": "AUTO"}, tuned)
 
 
-def test_auto_ratio_setting_needs_a_table() -> None:
-    with pytest.raises(SettingsError, match='"auto" needs fusion_ratio_table'):
-        ExtensionSettings(fusion_recompute_ratio="auto")
+def test_auto_ratio_setting_with_or_without_a_table() -> None:
+    assert (
+        parse_options(
+            {"fusion": True}, ExtensionSettings(fusion_recompute_ratio="auto")
+        ).recompute_ratio
+        == "auto"
+    )
     settings = ExtensionSettings(fusion_recompute_ratio="auto", fusion_ratio_table="/r.json")
     assert parse_options({"fusion": True}, settings).recompute_ratio == "auto"
     with pytest.raises(SettingsError, match=re.escape('= 1.5 must be in [0, 1] or "auto"')):

@@ -14,9 +14,9 @@ from sglang_hicache_ext.fusion.executor import (
     fused_prefill,
     fused_prefill_batch,
     generate_greedy,
-    precompute_chunk,
 )
 from sglang_hicache_ext.fusion.frequency import frequency_scores, low_pass
+from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.rope import apply_rope
 from sglang_hicache_ext.fusion.selectors import A3Selector, SelectionContext, make_selector

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.fusion.executor import fused_prefill, precompute_chunk
+from sglang_hicache_ext.fusion.executor import fused_prefill
+from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.selectors import SELECTORS, make_selector
 

@@ -12,13 +12,13 @@ import torch
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.sglang_ext.chunk_fusion import placement_control
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
     PROBE_FORM_PARAM,
     UNAVAILABLE,
     check_probe_params,
     probing_placement,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunk_forms import StoredBlob, stored_codec, through_codec

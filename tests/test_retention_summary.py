@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.fusion_retention import ratio_curve, summarise
+from benchmarks.retention_summary import ratio_curve, summarise
 
 # bootstrap intervals of four questions are degenerate by construction
 pytestmark = pytest.mark.filterwarnings("ignore::scipy.stats.DegenerateDataWarning")

@@ -22,7 +22,7 @@ import pytest
 import requests
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import REGISTER_PARAM
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import REGISTER_PARAM
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 
 pytestmark = pytest.mark.server

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import OPTION_KEYS
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import REGISTER_PARAM
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import REGISTER_PARAM
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,

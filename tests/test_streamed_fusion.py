@@ -21,8 +21,9 @@ from tests.test_fusion_executor import FAMILIES, _hf_prefix, _rag_request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# freq selects before the first layer; a3 and question_error at their check layer.
-SELECTORS = ["freq", "a3", "question_error"]
+# freq selects before the first layer; a3 and question_error at their check layer;
+# question_attention after a scoring pass that reads the rows too.
+SELECTORS = ["freq", "a3", "question_error", "question_attention"]
 
 
 def _streamed(segments: list[Segment], tier: ChunkDiskTier) -> list[Segment]:
@@ -62,10 +63,13 @@ def test_streamed_chunks_give_the_in_memory_result(
     for got, want in zip(got_kv, in_memory.kv.keys + in_memory.kv.values, strict=True):
         assert torch.equal(got, want)
     # Sparse: at r = 0.15 only the reused rows are read (a check layer reads all rows once).
+    # A scoring pass reads every row of the layers it walks, and the prefill after it takes
+    # those from memory: no row is read twice.
     streams = _streams(streamed)
     read = sum(s.stats.bytes_read for s in streams)
     dense = sum(s.dense_bytes for s in streams)
-    assert read <= 0.9 * dense, (read, dense)
+    scoring = bool(selector.scoring_layers(adapter.shape.num_layers))
+    assert read <= (1.0 if scoring else 0.9) * dense, (read, dense)
     assert result.load_wait_s >= 0.0
 
 

@@ -15,7 +15,7 @@ from sglang_hicache_ext.fusion import precompute_chunk
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.request import Segment
-from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import pinned_chunk_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 
 

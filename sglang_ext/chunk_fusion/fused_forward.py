@@ -46,8 +46,10 @@ def run_fused_batch(
     results = fused_prefill_batch(adapter, jobs)
     _synchronize(adapter.device)
     prefill_s = time.perf_counter() - began
+    _profile(rt, results, prefill_s)
     for (index, plan), result in zip(firsts, results, strict=True):
         plan.continuation = _rows_of(adapter, plan, result)
+        _profile_load(rt, plan, adapter.shape.num_layers)
         capacity = plan.options.decode_capacity if plan.options is not None else None
         if capacity is not None:
             row = int(forward_batch.req_pool_indices[index])
@@ -127,6 +129,8 @@ def _job(
         overlap_loads=plan.options.overlap_loads,
         # Window scores only when the decode evicts (they cost attention of the window).
         decode_window=0 if plan.options.decode_capacity is None else DEFAULT_WINDOW,
+        context_temperature=plan.options.context_temperature,
+        context_scale=plan.options.context_scale,
     )
 
 
@@ -156,11 +160,16 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
         "fused": True,
         "selector": plan.options.selector,
         "recompute_ratio": plan.recompute_ratio,
-        # "tuned": "auto" resolved from the ratio table for the tiers the chunks came from
-        "ratio_source": "fixed" if plan.tuned_ratio is None else "tuned",
+        # "auto" resolved from the ratio table ("tuned") or from this server's own
+        # measurements, never below the model's quality floor ("self_tuned"); else "fixed"
+        "ratio_source": plan.ratio_source,
         "sink_tokens": plan.options.sink_tokens,
+        "fresh_layers": plan.options.fresh_layers,
+        "context_tempering": [plan.options.context_temperature, plan.options.context_scale],
         "chunks_hit": len(plan.pinned),
         "chunks_by_tier": plan.chunk_tiers,  # where each chunk's KV was loaded from
+        # Which prefix each chunk was computed after, against this prompt's own start.
+        "chunk_prefixes": plan.chunk_prefixes,
         "chunk_tokens": result.num_chunk_tokens,
         "prefix_tokens": prefix_len,
         "tokens_reused": reused,
@@ -225,6 +234,25 @@ def _count_fused(
             info["tokens_recomputed"],
             seconds,
         )
+
+
+def _profile(rt: FusionRuntime, results: list[FusionResult], seconds: float) -> None:
+    """What "auto" learns of the compute: seconds per computed token-layer (the time the
+    compute waited for rows excluded)."""
+    waited = sum(result.load_wait_s for result in results)
+    rt.self_tuned.record_compute(seconds - waited, sum(sum(r.computed_tokens) for r in results))
+
+
+def _profile_load(rt: FusionRuntime, plan: RequestPlan, num_layers: int) -> None:
+    """What "auto" learns of a lower tier: seconds per token-layer of the rows it read."""
+    assert plan.continuation is not None
+    load = plan.continuation.info.get("load")
+    lower = {tier: n for tier, n in plan.tokens_by_tier.items() if tier != "host"}
+    if load is None or len(lower) != 1:  # one lower tier per request: its reads are its own
+        return
+    ((tier, tokens),) = lower.items()
+    read = round(tokens * (1 - plan.recompute_ratio)) * num_layers
+    rt.self_tuned.record_load(tier, load["read_s"], read)
 
 
 def _synchronize(device: torch.device) -> None:

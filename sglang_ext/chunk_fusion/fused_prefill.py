@@ -40,11 +40,11 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
     plan_batch,
     plan_mixed_batch,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     REGISTER_PARAM,
-    ChunkRegistry,
     registering_chunk,
 )
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import FusedTtftMetrics
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
 from sglang_hicache_ext.tiers.chunk_file import CorruptChunkError
@@ -54,9 +54,11 @@ logger = logging.getLogger(__name__)
 _runtime: FusionRuntime | None = None
 
 
-def install_runtime(registry: ChunkRegistry | None, settings: ExtensionSettings) -> None:
+def install_runtime(
+    registry: ChunkRegistry | None, settings: ExtensionSettings, model_name: str = ""
+) -> None:
     global _runtime
-    _runtime = FusionRuntime(registry, settings) if registry is not None else None
+    _runtime = FusionRuntime(registry, settings, model_name) if registry is not None else None
 
 
 def runtime() -> FusionRuntime | None:

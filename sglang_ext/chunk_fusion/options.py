@@ -13,9 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from sglang_hicache_ext.sglang_ext.server.setting_types import (
-    AUTO_RATIO,
     DECODE_CAPACITY_CHOICES,
+    ContextTempering,
     DecodeCapacity,
+    FreshLayers,
     RatioOrAuto,
     SelectorName,
     SinkTokens,
@@ -27,6 +28,9 @@ ENABLE_KEY = "fusion"
 SELECTOR_KEY = "fusion_selector"
 RATIO_KEY = "fusion_recompute_ratio"
 SINK_KEY = "fusion_sink_tokens"
+FRESH_KEY = "fusion_fresh_layers"
+TEMPERATURE_KEY = "fusion_context_temperature"
+SCALE_KEY = "fusion_context_scale"
 OVERLAP_KEY = "fusion_overlap_loads"
 DECODE_CAPACITY_KEY = "fusion_decode_capacity"
 META_KEY = "hicache_ext_fusion"
@@ -37,6 +41,9 @@ SERVER_DEFAULTS: dict[str, str] = {
     SELECTOR_KEY: "fusion_selector",
     RATIO_KEY: "fusion_recompute_ratio",
     SINK_KEY: "fusion_sink_tokens",
+    FRESH_KEY: "fusion_fresh_layers",
+    TEMPERATURE_KEY: "fusion_context_temperature",
+    SCALE_KEY: "fusion_context_scale",
     OVERLAP_KEY: "fusion_overlap_loads",
     DECODE_CAPACITY_KEY: "fusion_decode_capacity",
 }
@@ -55,6 +62,9 @@ class FusionOptions(BaseModel):
     selector: SelectorName = Field(alias=SELECTOR_KEY)
     recompute_ratio: RatioOrAuto = Field(alias=RATIO_KEY)
     sink_tokens: SinkTokens = Field(alias=SINK_KEY)
+    fresh_layers: FreshLayers = Field(alias=FRESH_KEY)
+    context_temperature: ContextTempering = Field(alias=TEMPERATURE_KEY)
+    context_scale: ContextTempering = Field(alias=SCALE_KEY)
     overlap_loads: bool = Field(alias=OVERLAP_KEY)
     # None: the decode attends every prompt token; a share in (0, 1]: decode-time eviction.
     decode_capacity: DecodeCapacity | None = Field(None, alias=DECODE_CAPACITY_KEY)
@@ -76,11 +86,6 @@ def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOpti
         options = FusionOptions.model_validate(values)
     except ValidationError as err:
         raise ValueError(_refusal(err.errors()[0])) from None
-    if options.recompute_ratio == AUTO_RATIO and not defaults.fusion_ratio_table:
-        raise ValueError(
-            f'custom_params.{RATIO_KEY} = "auto" needs a ratio table, and this server has none '
-            "(setting fusion_ratio_table)"
-        )
     return options
 
 

@@ -11,24 +11,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import weakref
 from collections import Counter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment, slice_chunk
+from sglang_hicache_ext.fusion.request import ChunkSegment, Segment
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
+    WholeFetches,
+    pinned_chunk_segments,
+    prefix_agreement,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import probe_form_of
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, registration_id
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import registration_id
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.setting_types import AUTO_RATIO
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
-from sglang_hicache_ext.tiers.chunk_tiers import HOST
+from sglang_hicache_ext.tuning.ratio.self_tuned import SelfTunedRatios
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, load_ratio_table
 
 logger = logging.getLogger(__name__)
@@ -37,7 +42,9 @@ logger = logging.getLogger(__name__)
 class FusionRuntime:
     """Per scheduler process: the chunk registry, the live requests and the counters."""
 
-    def __init__(self, registry: ChunkRegistry, settings: ExtensionSettings) -> None:
+    def __init__(
+        self, registry: ChunkRegistry, settings: ExtensionSettings, model_name: str = ""
+    ) -> None:
         self.registry = registry
         self.settings = settings
         self.requests: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
@@ -56,6 +63,8 @@ class FusionRuntime:
         self._adapter: SGLangModelAdapter | None = None
         self._adapter_error: str | None = None
         self._ratio_table: RatioTable | None = None
+        # "auto" without a ratio table: ratios from this server's own prefills and loads.
+        self.self_tuned = SelfTunedRatios.for_model(model_name)
 
     def ratio_table(self) -> RatioTable:
         """The tuned ratios of `fusion_ratio_table` (read once; ValueError when unusable)."""
@@ -104,8 +113,12 @@ class FusionRuntime:
         for req in [req for req in self.pending if req.finished()]:
             del self.pending[req]
 
-    def stats(self) -> dict[str, int]:
-        return {**self.counters, "decode_steps_over_kept_rows": KEPT_ROWS.decode_steps}
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "decode_steps_over_kept_rows": KEPT_ROWS.decode_steps,
+            "auto_ratio": self.self_tuned.status(),
+        }
 
 
 _runtime: FusionRuntime | None = None
@@ -125,7 +138,11 @@ class RequestPlan:
     pinned: list[str] = dataclasses.field(default_factory=list)  # chunk ids held for the round
     chunk_tiers: dict[str, int] = dataclasses.field(default_factory=dict)  # tier -> chunks
     tuned_ratio: float | None = None  # the ratio "auto" resolved to for these chunks' tiers
+    ratio_source: str = "fixed"  # "tuned" (the ratio table) or "self_tuned" (no table)
+    tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     fetched: WholeFetches | None = None  # chunks read whole while pinning (shared tier)
+    # How many chunks were computed after this prompt's own prefix, another, none (alone).
+    chunk_prefixes: dict[str, int] = dataclasses.field(default_factory=dict)
     fallback: str | None = None
     probe_form: str | None = None  # a placement probe: its chunks are the probe's own copies
     # A later round of a fused request: its rows were computed in the first round.
@@ -150,7 +167,10 @@ class RequestPlan:
     def selector(self) -> Selector:
         assert self.options is not None
         return make_selector(
-            self.options.selector, self.recompute_ratio, sink_tokens=self.options.sink_tokens
+            self.options.selector,
+            self.recompute_ratio,
+            sink_tokens=self.options.sink_tokens,
+            fresh_layers=self.options.fresh_layers,
         )
 
     def info(self) -> dict[str, Any] | None:
@@ -242,14 +262,20 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     probe_form = plan.probe_form = probe_form_of(req)
     held = pinned_chunk_segments(rt.registry, tokens, probe_form)
     plan.segments, plan.pinned, plan.chunk_tiers = held.segments, held.pinned, held.tiers
-    tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched
+    plan.tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched
+    plan.chunk_prefixes = prefix_agreement(rt.registry, plan.pinned, tokens)
     if plan.pinned and probe_form is None:  # what the placement learns from real requests
         rt.registry.placement.usage.record(plan.pinned, tokens[_last_chunk_end(plan.segments) :])
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
     elif plan.options is not None and plan.options.recompute_ratio == AUTO_RATIO:
+        if not rt.settings.fusion_ratio_table:
+            plan.tuned_ratio = rt.self_tuned.ratio_for(plan.tokens_by_tier)
+            plan.ratio_source = "self_tuned"
+            return
+        plan.ratio_source = "tuned"
         try:
-            plan.tuned_ratio = rt.ratio_table().ratio_for(tokens_by_tier)
+            plan.tuned_ratio = rt.ratio_table().ratio_for(plan.tokens_by_tier)
         except (KeyError, ValueError) as err:  # checked at launch; a table edited since
             logger.error("fusion: no tuned ratio for request %s: %s", plan.rid, err)
             plan.release(rt.registry)
@@ -338,63 +364,3 @@ def _extend_tokens_agree(forward_batch: Any, plans: list[RequestPlan]) -> bool:
             return False
         offset += plan.extend_len
     return offset == len(batch_ids)
-
-
-class PinnedSegments(NamedTuple):
-    segments: list[Segment]
-    pinned: list[str]  # chunk ids held for the request (callers unpin)
-    tiers: dict[str, int]  # how many chunks each tier served
-    tokens_by_tier: dict[str, int]  # how many chunk tokens each tier served
-    fetched: WholeFetches  # chunks read whole from a lower tier while pinning
-
-
-class WholeFetches(NamedTuple):
-    """Chunks a lower tier returned whole when pinned (not streamed): their bytes and the time
-    the pins took, all of it before the compute (nothing of it is overlapped)."""
-
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
-def pinned_chunk_segments(
-    registry: ChunkRegistry, tokens: list[int], probe_form: str | None = None
-) -> PinnedSegments:
-    """The prompt as text and chunk segments, with the matched chunks pinned (callers unpin);
-    with `probe_form`, each chunk's registered rows through that form's codec (a placement
-    probe).
-
-    A chunk evicted or deleted since matching is skipped: its tokens are computed like text."""
-    segments: list[Segment] = []
-    pinned: list[str] = []
-    tiers: Counter[str] = Counter()
-    tokens_by_tier: Counter[str] = Counter()
-    cursor = 0
-    fetched = WholeFetches()
-    metrics = extension_metrics() if probe_form is None else None  # probes are not traffic
-    for match in registry.index.find(tokens):
-        began = time.perf_counter()
-        chunk_id = match.chunk_id
-        held = registry.pin(chunk_id) if probe_form is None else registry.pin_form(chunk_id, probe_form)
-        if held is not None and held.tier != HOST and not held.streamed:  # fetched whole
-            fetched = WholeFetches(
-                fetched.nbytes + held.chunk.nbytes,
-                fetched.seconds + time.perf_counter() - began,
-            )
-        if held is None:
-            if metrics is not None:
-                metrics.chunk_miss()
-            continue
-        chunk = held.chunk
-        pinned.append(match.chunk_id)
-        tiers[held.tier] += 1
-        tokens_by_tier[held.tier] += match.chunk_end - match.chunk_start
-        if match.prompt_start > cursor:
-            segments.append(TextSegment(tuple(tokens[cursor : match.prompt_start])))
-        span = slice_chunk(chunk, match.chunk_start, match.chunk_end)
-        if metrics is not None:
-            metrics.chunk_hit(span.nbytes, tier=held.tier)
-        segments.append(ChunkSegment(span))
-        cursor = match.prompt_end
-    if cursor < len(tokens):
-        segments.append(TextSegment(tuple(tokens[cursor:])))
-    return PinnedSegments(segments, pinned, dict(tiers), dict(tokens_by_tier), fetched)

@@ -1,11 +1,13 @@
 """Registered chunks inside the SGLang scheduler: capture, store, index, list, delete.
 
 A chunk is registered by a prefill-only request (`max_new_tokens=0`) whose `custom_params`
-carry its id. SGLang prefills it alone at positions 0..n-1 like any prompt; when the request
-is checkpointed into the tree (its KV rows are still valid then), the `hicache_ext` tree cache
+carry its id. SGLang prefills it like any prompt: alone at positions 0..n-1, or after a prefix
+(the deployment's system prompt and chat header, `POST /chunks` "prefix"), whose rows the tree
+caches like any prompt's and which is not stored with the chunk. When the request is
+checkpointed into the tree (its KV rows are still valid then), the `hicache_ext` tree cache
 reads the chunk's K/V from SGLang's KV pool, rotates K back to pre-RoPE, computes the CacheTune
 frequency scores, and stores the result in the host chunk store under the content hash of the
-token ids. The chunk index learns the token sequence so later prompts can find it.
+chunk's token ids. The chunk index learns the token sequence so later prompts can find it.
 
 With a disk tier (`chunk_disk_dir`) the chunk is also written to disk before the registration
 is answered; at start the registry indexes every chunk found on disk, so chunks registered
@@ -14,7 +16,6 @@ before a restart are used without registering them again.
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import logging
 from pathlib import Path
@@ -30,6 +31,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
     PlacementControl,
     form_name,
 )
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
@@ -46,30 +48,7 @@ from sglang_hicache_ext.tiers.chunk_tiers import (
 
 logger = logging.getLogger(__name__)
 
-REGISTER_PARAM = "hicache_ext_register_chunk"
-CODEC_PARAM = "hicache_ext_chunk_codec"  # with REGISTER_PARAM: the codec every tier stores it with
 CONTROL_PREFIX = "hicache_ext."
-
-# Set by `POST /chunks` around its own prefill request. A request carrying REGISTER_PARAM
-# without it came from a client (`/generate`, `/v1/completions`, ...) and is refused: only the
-# route checks the body's size, the tokens and the rate, and only the route's auth applies.
-registering_chunk: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "hicache_ext_registering_chunk", default=False
-)
-
-
-def registration_id(req: Any) -> str | None:
-    """The chunk id a request registers, if it is a registration request."""
-    params = getattr(req.sampling_params, "custom_params", None) or {}
-    value = params.get(REGISTER_PARAM)
-    return value if isinstance(value, str) else None
-
-
-def registration_codec(req: Any) -> str | None:
-    """The codec spec a registration request asks for (checked by the route), if any."""
-    params = getattr(req.sampling_params, "custom_params", None) or {}
-    value = params.get(CODEC_PARAM)
-    return value if isinstance(value, str) else None
 
 
 def chunk_namespace(model_path: str, identity: str) -> str:
@@ -99,6 +78,11 @@ def summarize(chunk: HostChunk) -> ChunkSummary:
         header = chunk.header
         return ChunkSummary(header.num_tokens, header.num_layers, chunk.nbytes, header.codec)
     return ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes)
+
+
+def _prefix_info(prefix: tuple[str, int] | None) -> dict[str, Any]:
+    prefix_value, tokens = prefix if prefix is not None else (None, None)
+    return {"prefix_id": prefix_value, "prefix_tokens": tokens}
 
 
 class ChunkRegistry:
@@ -132,6 +116,10 @@ class ChunkRegistry:
         self.failed_captures = 0
         # Sizes of every stored chunk (a listing must not read disk headers).
         self._summaries: dict[str, ChunkSummary] = {}
+        # Per chunk registered by this process: the prefix it was computed after, as
+        # (prefix_id, token count). Kept in memory only: a chunk restored from disk or found in
+        # the shared tier has none recorded and is reported so ("prefix": null).
+        self._prefixes: dict[str, tuple[str, int]] = {}
         # Bumped whenever the set of registered chunks changes (admission caches its matches).
         self.generation = 0
         # Read counts and questions of real requests, probes and the host forms a placement
@@ -171,6 +159,7 @@ class ChunkRegistry:
         self.placement.forget(chunk_ids)
         for chunk_id in chunk_ids:
             self._summaries.pop(chunk_id, None)
+            self._prefixes.pop(chunk_id, None)
             if chunk_id in self.index:
                 self.index.remove(chunk_id)
         if chunk_ids:
@@ -219,16 +208,19 @@ class ChunkRegistry:
         kv_pool: Any,
         slots: torch.Tensor,
         codec: str | None = None,
+        prefix: tuple[int, ...] = (),
     ) -> bool:
-        """Store the chunk whose K/V sit at `slots` (positions 0..n-1) of `kv_pool`, compressed
-        by `codec` (on every tier) when given."""
+        """Store the chunk whose K/V sit at `slots` of `kv_pool`, computed at positions
+        len(prefix).. after `prefix` (empty: alone at 0..n-1), compressed by `codec` (on every
+        tier) when given."""
         if chunk_id != chunk_hash(token_ids):
             self.failed_captures += 1
             logger.error("chunk registration %s does not match its tokens; ignored", chunk_id[:12])
             return False
         if chunk_id in self.store:
             return True
-        positions = torch.arange(len(token_ids), device=slots.device)
+        start = len(prefix)
+        positions = torch.arange(start, start + len(token_ids), device=slots.device)
         keys, values = [], []
         for layer in range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num):
             post_rope = kv_pool.get_key_buffer(layer)[slots]
@@ -247,7 +239,15 @@ class ChunkRegistry:
             freq_scores=scores,
             alpha=self._alpha,
         )
-        return self.add(chunk, codec)
+        stored = self.add(chunk, codec)
+        if stored:
+            self._prefixes[chunk_id] = (prefix_id(prefix), start)
+        return stored
+
+    def prefix_of(self, chunk_id: str) -> tuple[str, int] | None:
+        """(prefix_id, tokens) of the prefix the chunk was computed after; None: not recorded
+        (restored from disk, found in the shared tier, or added in process)."""
+        return self._prefixes.get(chunk_id)
 
     def add(self, chunk: PrecomputedChunk, codec: str | None = None) -> bool:
         """Store and index a precomputed chunk (written through to disk when there is one;
@@ -293,6 +293,9 @@ class ChunkRegistry:
             # compressed than the registered rows the lower tiers keep); None: dense rows.
             "codec": None if read_form == "none" else read_form,
             "registered_codec": summary.codec,
+            # The prefix the chunk was computed after: its token count and id ("" / 0: alone);
+            # null when not recorded (a chunk this process did not register).
+            **_prefix_info(self.prefix_of(chunk_id)),
         }
 
     def describe(self, chunk_id: str) -> dict[str, Any] | None:

@@ -3,9 +3,12 @@
 - `POST /chunks` `{"text": ...}` or `{"input_ids": [...]}`, optionally `"codec": "int8"` /
   `"int4"` / null (how every chunk tier stores it, `registered_codec` in the answer; `codec` is
   the form a request reads, which a placement may make more compressed in host memory;
-  default the setting chunk_codec):
+  default the setting chunk_codec) and `"prefix"`: a text or token ids the chunk is computed
+  after (the deployment's system prompt and chat header; null: alone; default the setting
+  chunk_prefix), whose KV is not stored with the chunk (`server/chunk_body.py`):
   register a document chunk (idempotent: the id is the content hash of its token ids; 409 when
-  it is stored with another codec); returns `{"id", "num_tokens", "nbytes", "codec", "created", ...}`.
+  it is stored with another codec or computed after another prefix); returns
+  `{"id", "num_tokens", "nbytes", "codec", "prefix_id", "prefix_tokens", "created", ...}`.
 - `GET /chunks`: the registered chunks and the chunk-store statistics.
 - `GET /chunks/{id}[?probe_layer=L&probe_token=T]`: one chunk; the probe (diagnostics) adds the
   stored pre-RoPE key of token T at layer L, to check a capture against another implementation.
@@ -38,12 +41,15 @@ from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from sglang_hicache_ext.fusion.chunk import chunk_hash
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     CODEC_PARAM,
-    CONTROL_PREFIX,
+    PREFIX_PARAM,
     REGISTER_PARAM,
+    prefix_id,
     registering_chunk,
 )
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import CONTROL_PREFIX
+from sglang_hicache_ext.sglang_ext.server.chunk_body import parse_chunk_body
 from sglang_hicache_ext.sglang_ext.server.request_limits import (
     RateLimiter,
     RequestRefused,
@@ -51,17 +57,10 @@ from sglang_hicache_ext.sglang_ext.server.request_limits import (
     read_bounded_body,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
-from sglang_hicache_ext.tiers.chunk_forms import stored_codec
 
 # A capture lands when the scheduler checkpoints the request, just before the response goes out.
 _CAPTURE_POLL_S = 0.05
 _CAPTURE_TIMEOUT_S = 10.0
-# A text longer than this many characters per allowed token cannot fit: the longest tokens of
-# common BPE vocabularies are runs of punctuation or spaces of a few dozen characters, so this
-# bound never refuses real text and lets a huge one be refused without tokenizing it.
-_MAX_CHARS_PER_TOKEN = 32
-# Texts longer than this are tokenized on a worker thread so they do not stall the event loop.
-_INLINE_TOKENIZE_CHARS = 4096
 # The TTL route takes a handful of numbers; anything larger than this is not a TTL request.
 _CONTROL_BODY_MAX_BYTES = 64 * 1024
 _CHUNK_ID = re.compile(r"[0-9a-f]{64}")
@@ -155,68 +154,6 @@ def _client_host(request: Request) -> str:
     return request.client.host if request.client is not None else "unknown client"
 
 
-async def _chunk_token_ids(body: Any, manager: Any, max_tokens: int, bound: str) -> list[int]:
-    """The chunk's token ids; sizes are checked before types and before any tokenization."""
-    if not isinstance(body, dict) or ("text" in body) == ("input_ids" in body):
-        raise RequestRefused(400, 'send a JSON object with exactly one of "text" or "input_ids"')
-    unknown = sorted(set(body) - {"text", "input_ids", "codec"})
-    if unknown:
-        raise RequestRefused(400, f"unknown key(s) {', '.join(map(repr, unknown))[:200]}")
-    too_long = f"the chunk is longer than {max_tokens} tokens ({bound})"
-    if "input_ids" in body:
-        ids = body["input_ids"]
-        if not isinstance(ids, list):
-            raise RequestRefused(400, '"input_ids" must be a list of integers')
-        if len(ids) > max_tokens:
-            raise RequestRefused(413, f"{too_long}: {len(ids)} input_ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise RequestRefused(400, '"input_ids" must be a list of integers')
-    else:
-        text = body["text"]
-        if not isinstance(text, str) or not text.strip():
-            raise RequestRefused(400, '"text" must be a non-empty string')
-        if len(text) > max_tokens * _MAX_CHARS_PER_TOKEN:
-            raise RequestRefused(413, f"{too_long}: {len(text)} characters")
-        try:  # JSON may carry lone surrogates ("\ud800"); the tokenizer raises a TypeError on them
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestRefused(400, '"text" is not valid Unicode (a lone surrogate)') from None
-        tokenizer = manager.tokenizer
-        if tokenizer is None:
-            raise RequestRefused(
-                400, 'this server has no tokenizer (--skip-tokenizer-init); send "input_ids"'
-            )
-        if len(text) > _INLINE_TOKENIZE_CHARS:
-            ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) > max_tokens:
-            raise RequestRefused(413, f"{too_long}: {len(ids)} tokens")
-    if not ids:
-        raise RequestRefused(400, "the chunk has no tokens")
-    vocab_size = manager.model_config.vocab_size
-    if any(not 0 <= t < vocab_size for t in ids):
-        raise RequestRefused(400, f"token ids must be in [0, {vocab_size})")
-    return [int(t) for t in ids]
-
-
-def _chunk_codec(body: dict[str, Any], settings: ExtensionSettings) -> str | None:
-    """The codec every tier stores the chunk with: the body's "codec" (null: dense rows), else
-    the setting chunk_codec."""
-    if "codec" not in body:
-        return settings.chunk_codec
-    codec = body["codec"]
-    if codec is None:
-        return None
-    if not isinstance(codec, str):
-        raise RequestRefused(400, '"codec" must be a string ("int8", "int4") or null')
-    try:
-        stored_codec(codec)
-    except ValueError as err:
-        raise RequestRefused(400, f'"codec": {err}') from None
-    return codec
-
-
 async def register_chunk(request: Request) -> JSONResponse:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -229,26 +166,26 @@ async def register_chunk(request: Request) -> JSONResponse:
         )
         max_tokens, bound = _max_chunk_tokens(manager, limits.settings)
         body = parse_json(raw)
-        ids = await _chunk_token_ids(body, manager, max_tokens, bound)
-        codec = _chunk_codec(body, limits.settings)
+        ids, codec, prefix = await parse_chunk_body(
+            body, manager, limits.settings, max_tokens, bound
+        )
     except RequestRefused as err:
         return _refused(err)
     chunk_id = chunk_hash(ids)
     try:
         known = (await _control("describe_chunk", {"id": chunk_id})).get("chunk")
         if known is not None:
-            if "codec" in body and known.get("registered_codec") != codec:
-                return _error(
-                    409,
-                    f"chunk {chunk_id[:12]} is stored with codec {known.get('registered_codec')!r}; "
-                    f"DELETE /chunks/{chunk_id} first to store it with {codec!r}",
-                )
+            refusal = _conflict(known, body, codec, prefix_id(prefix))
+            if refusal is not None:
+                return _error(409, refusal)
             return JSONResponse({**known, "created": False})
         params: dict[str, Any] = {REGISTER_PARAM: chunk_id}
         if codec is not None:
             params[CODEC_PARAM] = codec
+        if prefix:
+            params[PREFIX_PARAM] = len(prefix)
         prefill = GenerateReqInput(
-            input_ids=ids, sampling_params={"max_new_tokens": 0, "custom_params": params}
+            input_ids=prefix + ids, sampling_params={"max_new_tokens": 0, "custom_params": params}
         )
         # Only this route may send REGISTER_PARAM (checked by fused_prefill.validate_request).
         token = registering_chunk.set(True)
@@ -273,6 +210,29 @@ async def register_chunk(request: Request) -> JSONResponse:
     return _error(
         409, f"chunk {chunk_id[:12]} was prefilled but could not be stored; see the server log"
     )
+
+
+def _conflict(
+    known: dict[str, Any], body: dict[str, Any], codec: str | None, prefix: str
+) -> str | None:
+    """Why a chunk already stored cannot be registered as asked (None: it can, as it is). A
+    chunk is one set of rows: another codec or another prefix needs a DELETE first, never a
+    silent second meaning of the same id."""
+    chunk_id = known["id"]
+    if "codec" in body and known.get("registered_codec") != codec:
+        return (
+            f"chunk {chunk_id[:12]} is stored with codec {known.get('registered_codec')!r}; "
+            f"DELETE /chunks/{chunk_id} first to store it with {codec!r}"
+        )
+    # A chunk restored from disk has no prefix recorded (null): it is taken as it is.
+    stored = known.get("prefix_id")
+    if stored is not None and stored != prefix:
+        return (
+            f"chunk {chunk_id[:12]} was computed after "
+            f"{'another prefix' if stored else 'no prefix'} ({known.get('prefix_tokens')} tokens); "
+            f"DELETE /chunks/{chunk_id} first to compute it after this one"
+        )
+    return None
 
 
 async def list_chunks() -> JSONResponse:

@@ -50,6 +50,9 @@ AUTO_RATIO = "auto"
 RatioOrAuto = RecomputeRatio | Literal["auto"]
 RATIO_CHOICES = 'must be in [0, 1] or "auto"'
 SinkTokens = Annotated[int, Field(ge=0)]
+FreshLayers = Annotated[int, Field(ge=0)]
+# APE's temperature and scale of the question's attention over the chunks (1: plain attention).
+ContextTempering = Annotated[float, Field(gt=0, le=4, allow_inf_nan=False)]
 DECODE_CAPACITY_CHOICES = "must be in (0, 1], the share of the prompt's tokens the decode keeps"
 
 

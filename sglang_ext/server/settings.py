@@ -24,10 +24,11 @@ from pydantic_core import ErrorDetails
 
 from sglang_hicache_ext.sglang_ext.server.extra_config import SettingsError, read_extra_config
 from sglang_hicache_ext.sglang_ext.server.setting_types import (
-    AUTO_RATIO,
     RATIO_CHOICES,
     ChunkCodecSpec,
+    ContextTempering,
     DecodeCapacity,
+    FreshLayers,
     HostPort,
     RatioOrAuto,
     SelectorName,
@@ -144,15 +145,17 @@ class ExtensionSettings(BaseModel):
         "below this token F1 against its registered rows' answers.",
     )
     fusion_by_default: bool = Field(False, description="Server default of custom_params.fusion.")
-    # question_error with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B
-    # (teacher-forced KL gap closed 0.44 vs a3 0.15, 200 HotpotQA questions, docs/fusion-quality.md)
+    # question_attention (the question's attention over several layers, from a scoring pass)
+    # with 8 sink tokens: the closest to the full prefill measured on Qwen2.5-0.5B, chosen on
+    # the held-out questions and measured on the 200 evaluation ones (docs/fusion-quality.md).
     fusion_selector: SelectorName = Field(
-        "question_error", description="Server default of custom_params.fusion_selector."
+        "question_attention", description="Server default of custom_params.fusion_selector."
     )
     fusion_recompute_ratio: RatioOrAuto = Field(
         0.15,
         description='Server default of custom_params.fusion_recompute_ratio; "auto" uses the '
-        "ratio tuned for the tier each chunk is loaded from (needs fusion_ratio_table).",
+        "ratio tuned for the tier each chunk is loaded from: from fusion_ratio_table, else "
+        "self-tuned from the server's own prefills, never below the model's quality floor.",
     )
     fusion_ratio_table: str | None = Field(
         None,
@@ -164,6 +167,22 @@ class ExtensionSettings(BaseModel):
         description="First tokens of each chunk put first in the recompute budget "
         "(0 = the papers' selectors).",
     )
+    fusion_fresh_layers: FreshLayers = Field(
+        0,
+        description="Server default of custom_params.fusion_fresh_layers: every token is "
+        "computed in this many first layers and that KV kept, before the prefill narrows to "
+        "the selection.",
+    )
+    fusion_context_temperature: ContextTempering = Field(
+        1.0,
+        description="Server default of custom_params.fusion_context_temperature: APE's "
+        "temperature of the question's attention over the chunks (1: plain attention).",
+    )
+    fusion_context_scale: ContextTempering = Field(
+        1.0,
+        description="Server default of custom_params.fusion_context_scale: APE's scale of the "
+        "chunks' share of the question's attention (1: plain attention).",
+    )
     fusion_overlap_loads: bool = Field(
         True,
         description="Server default of custom_params.fusion_overlap_loads: read the next "
@@ -173,6 +192,13 @@ class ExtensionSettings(BaseModel):
         None,
         description="Server default of custom_params.fusion_decode_capacity: after a fused "
         "prefill the decode attends this share of the prompt's tokens (null: all of them).",
+    )
+    chunk_prefix: str | None = Field(
+        None,
+        max_length=64 * 1024,
+        description="Text every chunk registered without a \"prefix\" is computed after: the "
+        "deployment's system prompt and chat header, as its prompts start (null: chunks are "
+        "computed alone).",
     )
     chunk_max_body_bytes: int = Field(
         4 * 1024**2, gt=0, description="Largest POST /chunks body, checked before parsing."
@@ -216,15 +242,6 @@ class ExtensionSettings(BaseModel):
             raise ValueError(
                 "chunk_placement_interval_s needs chunk_disk_dir (the disk keeps every chunk's "
                 "registered rows while host memory holds the placed form)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _auto_ratio_has_a_table(self) -> ExtensionSettings:
-        if self.fusion_recompute_ratio == AUTO_RATIO and not self.fusion_ratio_table:
-            raise ValueError(
-                'fusion_recompute_ratio "auto" needs fusion_ratio_table (a file written by '
-                "python -m sglang_hicache_ext.tuning.ratio tune)"
             )
         return self
 

@@ -1,0 +1,101 @@
+"""A prompt matched to registered chunks: text and chunk segments, the chunks pinned.
+
+The chunk index finds every registered chunk inside the prompt's tokens, at any position; each
+match is pinned in the tiered store (so it cannot be evicted while the request uses it) and
+becomes a chunk segment of the rows it covers, and the tokens between matches become text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import NamedTuple
+
+from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment, slice_chunk
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.tiers.chunk_tiers import HOST
+
+
+class PinnedSegments(NamedTuple):
+    segments: list[Segment]
+    pinned: list[str]  # chunk ids held for the request (callers unpin)
+    tiers: dict[str, int]  # how many chunks each tier served
+    tokens_by_tier: dict[str, int]  # how many chunk tokens each tier served
+    fetched: WholeFetches  # chunks read whole from a lower tier while pinning
+
+
+class WholeFetches(NamedTuple):
+    """Chunks a lower tier returned whole when pinned (not streamed): their bytes and the time
+    the pins took, all of it before the compute (nothing of it is overlapped)."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def pinned_chunk_segments(
+    registry: ChunkRegistry, tokens: list[int], probe_form: str | None = None
+) -> PinnedSegments:
+    """The prompt as text and chunk segments, with the matched chunks pinned (callers unpin);
+    with `probe_form`, each chunk's registered rows through that form's codec (a placement
+    probe).
+
+    A chunk evicted or deleted since matching is skipped: its tokens are computed like text."""
+    segments: list[Segment] = []
+    pinned: list[str] = []
+    tiers: Counter[str] = Counter()
+    tokens_by_tier: Counter[str] = Counter()
+    cursor = 0
+    fetched = WholeFetches()
+    metrics = extension_metrics() if probe_form is None else None  # probes are not traffic
+    for match in registry.index.find(tokens):
+        began = time.perf_counter()
+        chunk_id = match.chunk_id
+        held = (
+            registry.pin(chunk_id)
+            if probe_form is None
+            else registry.pin_form(chunk_id, probe_form)
+        )
+        if held is not None and held.tier != HOST and not held.streamed:  # fetched whole
+            fetched = WholeFetches(
+                fetched.nbytes + held.chunk.nbytes,
+                fetched.seconds + time.perf_counter() - began,
+            )
+        if held is None:
+            if metrics is not None:
+                metrics.chunk_miss()
+            continue
+        chunk = held.chunk
+        pinned.append(match.chunk_id)
+        tiers[held.tier] += 1
+        tokens_by_tier[held.tier] += match.chunk_end - match.chunk_start
+        if match.prompt_start > cursor:
+            segments.append(TextSegment(tuple(tokens[cursor : match.prompt_start])))
+        span = slice_chunk(chunk, match.chunk_start, match.chunk_end)
+        if metrics is not None:
+            metrics.chunk_hit(span.nbytes, tier=held.tier)
+        segments.append(ChunkSegment(span))
+        cursor = match.prompt_end
+    if cursor < len(tokens):
+        segments.append(TextSegment(tuple(tokens[cursor:])))
+    return PinnedSegments(segments, pinned, dict(tiers), dict(tokens_by_tier), fetched)
+
+
+def prefix_agreement(
+    registry: ChunkRegistry, chunk_ids: list[str], tokens: list[int]
+) -> dict[str, int]:
+    """How many of a prompt's chunks were computed after the prefix the prompt starts with
+    ("same"), after another one ("other"), alone ("alone") or with none recorded ("unknown").
+    A chunk computed after another prefix is still used; the response says so."""
+    counts = dict.fromkeys(("same", "other", "alone", "unknown"), 0)
+    for chunk_id in chunk_ids:
+        prefix = registry.prefix_of(chunk_id)
+        if prefix is None:
+            counts["unknown"] += 1
+        elif not prefix[0]:
+            counts["alone"] += 1
+        else:
+            same = prefix[1] <= len(tokens) and prefix_id(tokens[: prefix[1]]) == prefix[0]
+            counts["same" if same else "other"] += 1
+    return counts
