@@ -20,13 +20,15 @@ reuse's KL it closes (`kl_gap_closed`, also with a bootstrap interval), median p
     python -m benchmarks.fusion_retention --model qwen --questions 200 \
         --methods reuse,default@0.15,a3@0.15,cacheblend@0.15 [--resume]
 -> benchmarks/results/fusion_retention_<model>.json (rewritten after every question).
-A method is `full`, `reuse`, or `<selector>[+sink<N>]@<ratio>`; `default` is the server's default
-selector; `<method>#<codec>` (e.g. `default@0.15#int8`) runs it on chunks stored through a codec
+A method is `full`, `reuse`, or `<selector>[+sink<N>]@<ratio>`, with the modifiers of
+`benchmarks/retention_methods.py` (`+prefix`, `+fresh<F>`, `+layers<a>-<b>`, `+ape`, and the noise
+floors `full+batch` / `full+fp32`); `default` is the server's default selector; `<method>#<codec>` (e.g. `default@0.15#int8`) runs it on chunks stored through a codec
 (`tiers/codecs`: int8, int4); `<method>:keep<C>` (e.g. `default@0.15:keep0.25`) decodes with
 only C of the prompt's tokens kept per layer and head after the prefill (decode-time eviction,
 `fusion/decode_eviction.py`). `--min-prompt-tokens N` pads every prompt with paragraphs of the
 other sampled questions (also chunks) until it has N tokens. `--resume` adds missing questions
-and methods to an earlier file (the full prefill's answer must reproduce exactly).
+and methods to an earlier file (a question whose full prefill answers otherwise now, as
+another CPU's bf16 kernels can, has every asked method measured again).
 """
 
 from __future__ import annotations
@@ -255,6 +257,12 @@ def main() -> int:
         segments = question_segments(example, tokenizer, adapter)
         full = run_method(adapter, segments, make_selector("full", 1.0), stop, ANSWER_TOKENS)
         full_text = tokenizer.decode(full.answer, skip_special_tokens=True).strip()
+        if row is not None and row["full"] != full_text:
+            # Another CPU's bf16 kernels can flip a near-tie: every method of this question is
+            # measured again here against this full prefill (a row stays one run's).
+            tqdm.write(f"{example.qid}: the full prefill's answer changed; measuring it anew")
+            rows.remove(row)
+            row, missing = None, methods
         if row is None:
             row = {
                 "qid": example.qid,
@@ -266,8 +274,6 @@ def main() -> int:
             row["prompt_tokens"] = build_layout(segments).num_tokens
             rows.append(row)
             by_qid[example.qid] = row
-        elif row["full"] != full_text:
-            raise RuntimeError(f"{example.qid}: the full prefill's answer did not reproduce")
         row["full_prefill_s"] = full.prefill_s
         chunk_sets = {(None, False): segments}
         for codec, prefix in variants:

@@ -7,6 +7,9 @@
   over its recompute ratios, a panel per model;
 - `ttl_hit_ratio_vs_budget.png` (docs/ttl.md), from ttl_replay.json and ttl_budget_sweep.json
   (the same benchmark at more budgets): disk hit ratio against disk bytes per TTL policy;
+- `fidelity_qwen.png`, `fidelity_dev_qwen.png` (docs/fusion-quality.md), from
+  fusion_retention_qwen_bfloat16.json and fidelity_dev_qwen.json: KL gap closed, answers kept
+  and agreement per method, with the full prefill's own noise floor;
 - `placement.png` (docs/compression-placement.md), from placement.json: mean TTFT and mean
   answer quality per policy (LRU with and without a fixed codec, EvicPress placement);
 - `pareto_<N>/frontier.png` (docs/simulator.md), from each `pareto_<N>/frontier.json`: drawn
@@ -33,6 +36,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
+from benchmarks.retention_summary import plot_methods  # noqa: E402
 from sglang_hicache_ext.tuning.pareto.frontier_file import JSON_NAME, replot_frontier  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -165,6 +169,14 @@ def plot_fusion_retention(results: Path, out: Path) -> Path | None:
         axes.legend(fontsize=7, loc="lower right")
     title = "Answer F1 kept against prefill time paid (benchmarks/fusion_retention.py)"
     return _save(figure, title, out)
+
+
+def plot_fidelity(results_file: Path, out: Path) -> Path | None:
+    """Every method of a fusion_retention file (full prefill aside), with the noise floor."""
+    if not results_file.exists():
+        return None
+    data = _load(results_file)
+    return plot_methods(data, [m for m in data["summary"] if m != "full"], out)
 
 
 def _ttl_rows(replayed: dict[str, Any], results: Path) -> list[dict[str, Any]]:
@@ -349,6 +361,8 @@ def main() -> int:
         plot_fusion_quality(results, results / "fusion_quality_vs_ttft.png"),
         plot_ttl_budgets(results, results / "ttl_hit_ratio_vs_budget.png"),
         plot_fusion_retention(results, results / "fusion_retention_vs_ttft.png"),
+        plot_fidelity(results / "fusion_retention_qwen_bfloat16.json", results / "fidelity_qwen.png"),
+        plot_fidelity(results / "fidelity_dev_qwen.json", results / "fidelity_dev_qwen.png"),
         plot_placement(results / "placement.json", results / "placement.png"),
         plot_placement(results / "placement_dram12.json", results / "placement_dram12.png"),
         plot_placement(results / "placement_live_dram12.json", results / "placement_live_dram12.png"),

@@ -10,6 +10,7 @@ ratio. `ratio_curve` is one selector's retention over the ratios measured (the q
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -129,3 +130,49 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
             f"| {v['agree']:.2f} "
             f"| {kl} | {gap} | {time_ratio} |"
         )
+
+
+def plot_methods(data: dict[str, Any], methods: list[str], out: Path) -> Path | None:
+    """Per method: teacher-forced KL gap closed and answers kept, each with its 95 % interval,
+    and agreement with the full prefill's answer (the noise floor's as a line, when measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    summary = data["summary"]
+    methods = [m for m in methods if m in summary]
+    if not methods:
+        return None
+    figure, panels = plt.subplots(1, 3, figsize=(15, 0.42 * len(methods) + 1.6), dpi=110)
+    ys = np.arange(len(methods))
+    for axes, key, label in zip(
+        panels,
+        ("kl_gap_closed", "kept", "agree"),
+        ("teacher-forced KL gap closed", "answers kept", "agrees with the full answer"),
+        strict=True,
+    ):
+        values = [summary[m][key] for m in methods]
+        intervals = [summary[m].get(f"{key}_ci95") for m in methods]
+        errors = None
+        if all(interval is not None for interval in intervals):
+            errors = [
+                [v - lo for v, (lo, _) in zip(values, intervals, strict=True)],
+                [hi - v for v, (_, hi) in zip(values, intervals, strict=True)],
+            ]
+        axes.barh(ys, values, xerr=errors, color="tab:blue", alpha=0.75, capsize=3)
+        if key == "agree" and "full+batch" in summary:
+            axes.axvline(summary["full+batch"]["agree"], color="black", linestyle=":", linewidth=1)
+        axes.set_yticks(ys, methods if key == "kl_gap_closed" else [""] * len(methods), fontsize=7)
+        axes.invert_yaxis()
+        axes.set_xlabel(f"{label} (n = questions each method has)", fontsize=8)
+        axes.grid(axis="x", alpha=0.3)
+    figure.suptitle(
+        f"{data['model']} ({data.get('dtype', 'float32')}): fidelity per method "
+        "(benchmarks/fusion_retention.py)",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+    return out

@@ -93,7 +93,8 @@ def after_exact_prefix(segments: Sequence[Segment], prefix_len: int) -> list[Seg
 
 
 def build_layout(segments: list[Segment] | tuple[Segment, ...]) -> RequestLayout:
-    """Lay segments end to end. Without an explicit question, a3 uses the text after the last chunk."""
+    """Lay segments end to end. Without an explicit question, the question-aware selectors use
+    the text after the last chunk (the last token when there is none)."""
     if not segments:
         raise ValueError("a request needs at least one segment")
     ids: list[int] = []
@@ -118,8 +119,10 @@ def build_layout(segments: list[Segment] | tuple[Segment, ...]) -> RequestLayout
     is_chunk = torch.tensor(chunk_flags, dtype=torch.bool)
     is_question = torch.tensor(question_flags, dtype=torch.bool)
     if not bool(is_question.any()) and spans:
+        # The tokens that read the chunks: the text after the last chunk, or, when the prompt
+        # ends inside a chunk, its last token (always computed, for the next-token logits).
         tail_start = spans[-1].start + spans[-1].length
-        is_question[tail_start:] = True
+        is_question[min(tail_start, len(ids) - 1) :] = True
     return RequestLayout(
         token_ids=torch.tensor(ids, dtype=torch.long),
         is_chunk=is_chunk,

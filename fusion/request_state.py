@@ -225,9 +225,6 @@ class RequestState:
         for span in self.layout.spans:
             span.chunk.check_compatible(shape)
         check = self.selector.check_layer
-        scored = self.selector.scoring_layers(shape.num_layers)
-        if scored and not bool(self.layout.is_question.any()):
-            raise ValueError(f"{self.selector.name} needs question tokens after the chunks")
         if check is not None and check >= shape.num_layers:
             raise ValueError(f"{self.selector.name} checks layer {check}; model has too few layers")
         num_tokens = self.layout.num_tokens

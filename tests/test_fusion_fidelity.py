@@ -252,13 +252,3 @@ def test_tempering_changes_only_the_question_and_one_is_identity(models: dict, f
 def test_bad_technique_settings_raise(build: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()  # type: ignore[operator]
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_question_attention_without_question_raises(models: dict, family: str) -> None:
-    adapter = models[family]
-    ids = _ids(5, 30)
-    chunk = precompute_chunk(adapter, ids[10:])
-    segments = [TextSegment(tuple(ids[:10])), ChunkSegment(chunk)]
-    with pytest.raises(ValueError, match="question tokens"):
-        fused_prefill(adapter, segments, make_selector("question_attention", 0.2))

@@ -162,10 +162,15 @@ def test_chunk_shape_mismatch_raises(requests: dict) -> None:
         PrecomputedChunk(good.token_ids, good.keys, good.values, good.freq_scores[:, :3])
 
 
-def test_a3_without_question_raises(requests: dict) -> None:
+@pytest.mark.parametrize("name", ["a3", "question_error", "question_attention"])
+def test_a_prompt_ending_in_a_chunk_is_asked_by_its_last_token(requests: dict, name: str) -> None:
+    """No text after the last chunk: the last token (always computed) is the question."""
     adapter, segments = requests["llama"]
-    with pytest.raises(ValueError, match="question"):
-        fused_prefill(adapter, [TextSegment((1, 2)), segments[1]], make_selector("a3", 0.5))
+    ending = [TextSegment((1, 2)), segments[1]]
+    layout = build_layout(ending)
+    assert layout.is_question.tolist() == [False] * (layout.num_tokens - 1) + [True]
+    result = fused_prefill(adapter, ending, make_selector(name, 0.5))
+    assert result.selected.numel() == round(0.5 * layout.num_chunk_tokens)
 
 
 def test_unsupported_model_raises() -> None:

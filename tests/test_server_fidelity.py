@@ -100,8 +100,9 @@ def test_registering_again_with_another_prefix_is_a_conflict(hicache_server, doc
         ([1, "two"], 400, '"prefix" must be a list of integers'),
         ([-1], 400, "token ids must be in"),
         ("   ", 400, '"prefix" must be a non-empty string'),
-        ([7] * 40000, 413, "the prefix (the model's context length"),
-        ([7] * 8000, 413, "the prefix and the chunk (8000 + "),
+        # This server's bound is its max request input length (4090), below chunk_max_tokens.
+        ([7] * 40000, 413, "the prefix (the server's max request input length"),
+        ([7] * 4088, 413, "the prefix and the chunk (4088 + "),
     ],
 )
 def test_bad_prefixes_are_refused(

@@ -57,6 +57,10 @@ def _config(model: Path, tmp_path: Path, **settings: object) -> ServerConfig:
         "chunk_store_bytes": HOST_BYTES,
         # A slow disk (266 KB take 0.13 s): holding chunks in host memory, compressed, pays.
         "chunk_disk_read_bytes_per_s": 2_000_000,
+        # The probes run the server's selector; the expected forms below were measured with
+        # this one on the random-weight tiny model (whose answers a selector's choice of rows
+        # moves more than a real model's).
+        "fusion_selector": "question_error",
         **settings,
     }
     path.write_text(json.dumps(values))

@@ -111,7 +111,7 @@ def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) 
             json={"text": DAMAGED, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
             timeout=300,
         ).json()["output_ids"]
-        before, info = _fused(config.url, RATIOS["disk"])
+        before, info = _fused(config.url, RATIOS["disk"], fusion_selector="question_error")
         assert info["fused"] and info["chunks_by_tier"] == {"host": 3}, info
         assert (info["recompute_ratio"], info["ratio_source"]) == (RATIOS["disk"], "fixed")
         # A keep-alive connection that has served a request, as a live server has.
@@ -148,8 +148,9 @@ def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) 
             [*ids, damaged_id], "disk"
         )  # its header is sound: the damage is found when its rows are read
         assert listed["stats"]["restored_from_disk"] == 4
-        # No registration since the restart; "auto" loads from disk at the disk's ratio.
-        after, info = _fused(config.url, "auto")
+        # No registration since the restart; "auto" loads from disk at the disk's ratio. A
+        # check-layer selector: the default's scoring pass reads every row of its layers.
+        after, info = _fused(config.url, "auto", fusion_selector="question_error")
         assert info["fused"] and info["chunks_by_tier"] == {"disk": 3}, info
         assert (info["recompute_ratio"], info["ratio_source"]) == (RATIOS["disk"], "tuned")
         assert after == before
