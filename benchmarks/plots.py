@@ -15,7 +15,7 @@
 - `pareto_<N>/frontier.png` (docs/simulator.md), from each `pareto_<N>/frontier.json`: drawn
   again by the Pareto search's own plot.
 
-    python benchmarks/plots.py [--results benchmarks/results]
+    python -m benchmarks.plots [--results benchmarks/results]
 """
 
 from __future__ import annotations

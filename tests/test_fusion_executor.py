@@ -40,6 +40,17 @@ def _hf_logits(adapter: HFCausalLMAdapter, ids: list[int]) -> torch.Tensor:
         return adapter.model(torch.tensor([ids])).logits[0].float()
 
 
+def _hf_attentions(adapter: HFCausalLMAdapter, ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """transformers' own attention probabilities per layer ([1, heads, query, key])."""
+    model = adapter.model
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            return model(torch.tensor([ids]), output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 def _hf_greedy(adapter: HFCausalLMAdapter, ids: list[int], steps: int) -> list[int]:
     ids = list(ids)
     out = []
@@ -141,13 +152,7 @@ def test_a3_scores_are_question_attention_at_layer_one(models: dict, family: str
     segments, ids = _rag_request(adapter)
     selector = _RecordingA3(0.2)
     fused_prefill(adapter, segments, selector)
-    model = adapter.model
-    model.set_attn_implementation("eager")
-    try:
-        with torch.inference_mode():
-            attentions = model(torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation("sdpa")
+    attentions = _hf_attentions(adapter, ids)
     probs = attentions[1][0]  # [heads, query, key]
     chunk_cols = list(range(4, 24)) + list(range(27, 55))
     expected = probs[:, 55:, :].sum(dim=(0, 1))[chunk_cols]

@@ -17,21 +17,9 @@ from sglang_hicache_ext.fusion.selectors import (
     SelectionContext,
     make_selector,
 )
+from tests.test_fusion_executor import ATOL, FAMILIES, _hf_attentions, _hf_logits, _ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-FAMILIES = ["llama", "qwen2"]
-ATOL = 1e-4
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _hf_logits(adapter: HFCausalLMAdapter, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return adapter.model(torch.tensor([ids])).logits[0].float()
-
 
 def _hf_cache(adapter: HFCausalLMAdapter, ids: list[int]) -> object:
     with torch.inference_mode():
@@ -138,13 +126,7 @@ def test_scoring_pass_is_the_question_attention_over_the_reused_kv(
     segments = [ChunkSegment(chunk), TextSegment(tuple(ids[32:]), question=True)]
     selector = _Recording(0.25, layers=(0.0, 1.0))
     result = fused_prefill(adapter, segments, selector)
-    model = adapter.model
-    model.set_attn_implementation("eager")
-    try:
-        with torch.inference_mode():
-            attentions = model(torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        model.set_attn_implementation("sdpa")
+    attentions = _hf_attentions(adapter, ids)
     expected = sum(probs[0][:, 32:, :32].sum(dim=(0, 1)) for probs in attentions)
     torch.testing.assert_close(selector.recorded, expected, rtol=1e-4, atol=1e-5)
     top = torch.sort(torch.topk(expected, 8).indices).values
