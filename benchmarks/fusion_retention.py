@@ -277,7 +277,9 @@ def main() -> int:
         row["full_prefill_s"] = full.prefill_s
         chunk_sets = {(None, False): segments}
         for codec, prefix in variants:
-            chunk_sets[codec, prefix] = question_segments(example, tokenizer, adapter, codec, prefix)
+            chunk_sets[codec, prefix] = question_segments(
+                example, tokenizer, adapter, codec, prefix
+            )
         for method in missing:
             spec = parsed[method]
             model = adapter

@@ -135,7 +135,9 @@ def plot_fusion_retention(results: Path, out: Path) -> Path | None:
             if "@" in method:
                 lines.setdefault(method.split("@")[0], []).append(method)
         for index, (selector, methods) in enumerate(sorted(lines.items())):
-            methods.sort(key=lambda m: float(re.split("[#:]", m.split("@")[1])[0]))  # "0.15#int8", "0.15:keep0.25"
+            methods.sort(
+                key=lambda m: float(re.split("[#:]", m.split("@")[1])[0])
+            )  # "0.15#int8", "0.15:keep0.25"
             xs = [summary[m]["prefill_ratio"] for m in methods]
             ys = [summary[m]["retention"] for m in methods]
             low = [y - summary[m]["retention_ci95"][0] for m, y in zip(methods, ys, strict=True)]
@@ -303,8 +305,13 @@ def plot_placement(results_file: Path, out: Path) -> Path | None:
         hits = row["chunk_hits_by_tier"]
         host = hits.get("host", 0) / max(1, sum(hits.values()))
         label = f"quality {100 * row['mean_quality']:.1f}\nhost hits {100 * host:.0f} %"
-        axes.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                      ha="center", va="bottom", fontsize=8)
+        axes.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     axes.set_ylabel("mean TTFT (s)")
     axes.set_ylim(0, max(ttfts) * 1.3)
     axes.grid(axis="y", alpha=0.3)
@@ -361,11 +368,15 @@ def main() -> int:
         plot_fusion_quality(results, results / "fusion_quality_vs_ttft.png"),
         plot_ttl_budgets(results, results / "ttl_hit_ratio_vs_budget.png"),
         plot_fusion_retention(results, results / "fusion_retention_vs_ttft.png"),
-        plot_fidelity(results / "fusion_retention_qwen_bfloat16.json", results / "fidelity_qwen.png"),
+        plot_fidelity(
+            results / "fusion_retention_qwen_bfloat16.json", results / "fidelity_qwen.png"
+        ),
         plot_fidelity(results / "fidelity_dev_qwen.json", results / "fidelity_dev_qwen.png"),
         plot_placement(results / "placement.json", results / "placement.png"),
         plot_placement(results / "placement_dram12.json", results / "placement_dram12.png"),
-        plot_placement(results / "placement_live_dram12.json", results / "placement_live_dram12.png"),
+        plot_placement(
+            results / "placement_live_dram12.json", results / "placement_live_dram12.png"
+        ),
         plot_placement(
             results / "placement_live_int8_dram12.json", results / "placement_live_int8_dram12.png"
         ),

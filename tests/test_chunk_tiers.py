@@ -234,7 +234,9 @@ def test_models_get_their_own_chunk_directories() -> None:
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_without_promotion_reads_leave_host_memory_as_placed(tmp_path: Path, streamed: bool) -> None:
+def test_without_promotion_reads_leave_host_memory_as_placed(
+    tmp_path: Path, streamed: bool
+) -> None:
     store = TieredChunkStore(
         ChunkStore(CHUNK_BYTES),
         ChunkDiskTier(tmp_path, 100 * (CHUNK_BYTES + 4096)),

@@ -21,6 +21,7 @@ from tests.test_fusion_executor import ATOL, FAMILIES, _hf_attentions, _hf_logit
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
 def _hf_cache(adapter: HFCausalLMAdapter, ids: list[int]) -> object:
     with torch.inference_mode():
         return adapter.model(torch.tensor([ids]), use_cache=True).past_key_values

@@ -53,7 +53,9 @@ def test_inputs_report_every_form_and_the_reads(tmp_path: Path) -> None:
     first = by_id[chunks[0].content_hash]
     assert (first["registered"], first["host_form"], first["num_tokens"]) == ("none", "none", 64)
     assert first["nbytes"]["none"] == chunks[0].nbytes
-    assert first["nbytes"]["int4"] < first["nbytes"]["int8"] < 0.5 * chunks[0].nbytes  # tiny: headers
+    assert (
+        first["nbytes"]["int4"] < first["nbytes"]["int8"] < 0.5 * chunks[0].nbytes
+    )  # tiny: headers
     assert first["decode_s"]["none"] == 0.0 and first["decode_s"]["int8"] > 0
     assert (first["frequency"], first["questions"]) == (1.0, [[9, 8, 7]])
     assert not first["estimated"]  # three small chunks: measured within the budget
@@ -88,7 +90,11 @@ def test_probe_rows_are_the_registered_rows_through_the_codec(tmp_path: Path) ->
     for form in ("none", "int8", "int4"):
         pinned = registry.pin_form(key, form)
         assert pinned is not None and pinned.tier == "disk"
-        expected = chunks[1] if form == "none" else PrecomputedChunk(*through_codec(chunks[1], stored_codec(form)))
+        expected = (
+            chunks[1]
+            if form == "none"
+            else PrecomputedChunk(*through_codec(chunks[1], stored_codec(form)))
+        )
         for layer in range(chunks[1].num_layers):
             for got, want in zip(_rows(pinned.chunk, layer), _rows(expected, layer), strict=True):
                 assert torch.equal(got, want)
@@ -111,7 +117,11 @@ def test_applied_forms_change_host_memory_and_keep_the_disk_rows(tmp_path: Path)
     )[0]
     assert applied["outcomes"] == {"changed": 1, "dropped": 1, "kept": 1}
     listing = {info["id"]: info for info in registry.list()}
-    assert (listing[a]["tier"], listing[a]["codec"], listing[a]["registered_codec"]) == ("host", "int8", None)
+    assert (listing[a]["tier"], listing[a]["codec"], listing[a]["registered_codec"]) == (
+        "host",
+        "int8",
+        None,
+    )
     assert (listing[b]["tier"], listing[b]["codec"]) == ("disk", None)
     assert (listing[c]["tier"], listing[c]["codec"]) == ("host", None)
     assert isinstance(registry.store.host.peek(a), StoredBlob)

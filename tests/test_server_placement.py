@@ -18,7 +18,8 @@ from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_por
 pytestmark = pytest.mark.server
 
 DOCUMENTS = [
-    f"Survey {topic}: " + " ".join(f"the {topic} site {i} was mapped in {1950 + 3 * i}." for i in range(12))
+    f"Survey {topic}: "
+    + " ".join(f"the {topic} site {i} was mapped in {1950 + 3 * i}." for i in range(12))
     for topic in ("moors", "fjords", "mesas", "atolls")
 ]
 HOST_BYTES = 600_000  # about two of the four chunks dense (266 KB each on this model)
@@ -34,7 +35,11 @@ def _fused(url: str, question: str) -> dict:
         url + "/generate",
         json={
             "text": _prompt(question),
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "custom_params": {"fusion": True}},
+            "sampling_params": {
+                "max_new_tokens": 4,
+                "temperature": 0,
+                "custom_params": {"fusion": True},
+            },
         },
         timeout=120,
     )
@@ -84,11 +89,16 @@ def _assert_listing_is_the_placement(url: str, result: dict) -> None:
     assert listing["stats"]["bytes_used"] <= HOST_BYTES
 
 
-def test_placement_profiles_places_and_survives_a_restart(tiny_llama_path: Path, tmp_path: Path) -> None:
+def test_placement_profiles_places_and_survives_a_restart(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
     config = _config(tiny_llama_path, tmp_path)
     with running_server(config, log_path=tmp_path / "first.log"):
         url = config.url
-        ids = [requests.post(url + "/chunks", json={"text": d}, timeout=120).json()["id"] for d in DOCUMENTS]
+        ids = [
+            requests.post(url + "/chunks", json={"text": d}, timeout=120).json()["id"]
+            for d in DOCUMENTS
+        ]
         assert requests.get(url + "/hicache_ext/placement", timeout=30).json()["rounds"] == 0
         for question in "abc":
             assert _fused(url, question)["fused"]
@@ -105,7 +115,10 @@ def test_placement_profiles_places_and_survives_a_restart(tiny_llama_path: Path,
             assert refused.status_code == 400 and message in refused.json()["error"], refused.text
         probe = requests.post(
             url + "/generate",
-            json={"text": "hi", "sampling_params": {"custom_params": {"hicache_ext_probe_form": "int8"}}},
+            json={
+                "text": "hi",
+                "sampling_params": {"custom_params": {"hicache_ext_probe_form": "int8"}},
+            },
             timeout=60,
         )
         assert probe.status_code == 400 and "internal to the chunk placement" in probe.text
@@ -138,7 +151,11 @@ def test_placement_profiles_places_and_survives_a_restart(tiny_llama_path: Path,
                 assert chunk["quality"][chunk["host_form"]] == 1.0
         _assert_listing_is_the_placement(url, strict)
         status = requests.get(url + "/hicache_ext/placement", timeout=30).json()
-        assert status["rounds"] == 2 and status["last"]["round"] == 2 and status["profiled_chunks"] == 4
+        assert (
+            status["rounds"] == 2
+            and status["last"]["round"] == 2
+            and status["profiled_chunks"] == 4
+        )
 
     # Restarted with the timer: the disk still holds every chunk (nothing a placement dropped
     # from host memory is lost) and rounds run by themselves.

@@ -135,7 +135,7 @@ class ExtensionSettings(BaseModel):
         ge=0,
         allow_inf_nan=False,
         description="Seconds of TTFT that one unit of answer quality is worth in the "
-        "placement's utility (POST /hicache_ext/placement \"alpha\" overrides it).",
+        'placement\'s utility (POST /hicache_ext/placement "alpha" overrides it).',
     )
     chunk_placement_quality_floor: float = Field(
         0.9,
@@ -196,7 +196,7 @@ class ExtensionSettings(BaseModel):
     chunk_prefix: str | None = Field(
         None,
         max_length=64 * 1024,
-        description="Text every chunk registered without a \"prefix\" is computed after: the "
+        description='Text every chunk registered without a "prefix" is computed after: the '
         "deployment's system prompt and chat header, as its prompts start (null: chunks are "
         "computed alone).",
     )
