@@ -129,13 +129,12 @@ def _scoring_pass(
                 decode_window=0,
                 record_layers=state.scoring_layers,
             ),
+            # Rows of slow-tier chunks read here serve the prefill too (read once, not twice).
+            loader=state.loader,
         )
         for state in states
     ]
-    for state, scoring in zip(states, passes, strict=True):
-        # Rows of slow-tier chunks read here serve the prefill too (read once, not twice).
-        scoring.loader.close()
-        scoring.loader = state.loader
+    for state in states:
         state.loader.retain = True
     try:
         _walk_layers(adapter, passes, attention_backend, max(max(s.scoring_layers) for s in states))

@@ -92,7 +92,9 @@ class FusionJob:
 class RequestState:
     """A job's masks and bookkeeping across the layers (the executor does the compute)."""
 
-    def __init__(self, adapter: ModelAdapter, job: FusionJob) -> None:
+    def __init__(
+        self, adapter: ModelAdapter, job: FusionJob, loader: LayerLoader | None = None
+    ) -> None:
         self.job = job
         self.selector = job.selector
         self.prefix_len = 0 if job.exact_prefix is None else job.exact_prefix.num_tokens
@@ -122,7 +124,7 @@ class RequestState:
         self.values: list[torch.Tensor] = []
         self.window_scores: list[torch.Tensor] = []
         self.num_layers = adapter.shape.num_layers
-        self.loader = LayerLoader(job.overlap_loads)
+        self.loader = LayerLoader(job.overlap_loads) if loader is None else loader
         self.narrowed = False
         if self.check_layer is None and not self.scoring_layers:
             self.selected = self.selector.select(SelectionContext(self.layout))

@@ -89,6 +89,7 @@ def prefix_agreement(
     ("same"), after another one ("other"), alone ("alone") or with none recorded ("unknown").
     A chunk computed after another prefix is still used; the response says so."""
     counts = dict.fromkeys(("same", "other", "alone", "unknown"), 0)
+    starts: dict[int, str] = {}  # the prompt's own prefix id per length, hashed once
     for chunk_id in chunk_ids:
         prefix = registry.prefix_of(chunk_id)
         if prefix is None:
@@ -96,6 +97,8 @@ def prefix_agreement(
         elif not prefix[0]:
             counts["alone"] += 1
         else:
-            same = prefix[1] <= len(tokens) and prefix_id(tokens[: prefix[1]]) == prefix[0]
+            if prefix[1] not in starts:
+                starts[prefix[1]] = prefix_id(tokens[: prefix[1]])
+            same = prefix[1] <= len(tokens) and starts[prefix[1]] == prefix[0]
             counts["same" if same else "other"] += 1
     return counts
