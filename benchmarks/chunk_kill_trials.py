@@ -36,11 +36,15 @@ import requests
 
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.model_paths import TINY_LLAMA, prepared_model
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    free_port,
+    running_server,
+    server_process_group,
+)
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunk_file import CHUNK_SUFFIX
 from sglang_hicache_ext.tiers.chunk_forms import read_chunk, read_header
-from tests.server_processes import server_process_group
 
 WORDS = [
     "amber",

@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-from benchmarks.fusion_retention import MODELS, load_model, question_segments
+from benchmarks.fusion_retention import MODELS, load_model
+from benchmarks.retention_chunks import question_segments
 from benchmarks.retention_methods import parse_method
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.fused_answers import run_method

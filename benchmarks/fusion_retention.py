@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from benchmarks.fusion_quality import chat_prefix, chatml_prompt
+from benchmarks.fusion_quality import chatml_prompt
+from benchmarks.retention_chunks import question_segments
 from benchmarks.retention_methods import (
     DEFAULT_SELECTOR,
     DEFAULT_SINK_TOKENS,
@@ -64,15 +65,9 @@ from sglang_hicache_ext.evaluation.fused_answers import (
 )
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
-from sglang_hicache_ext.fusion import make_selector, precompute_chunk
-from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.request import Segment, build_layout
-from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.tiers.chunk_forms import stored_codec
-from sglang_hicache_ext.tiers.chunk_forms import through_codec as stored_through_codec
 from sglang_hicache_ext.tuning.ratio.quality_floor import (
     FLOORS_FILE,
     TARGET_RETENTION,
@@ -112,39 +107,6 @@ def padded(
             raise SystemExit(f"too few paragraphs to pad {example.qid} to {min_tokens} tokens")
         documents.append(extra.pop())
     return replace(example, documents=tuple(documents))
-
-
-def question_segments(
-    example: HotpotQAExample,
-    tokenizer: Any,
-    adapter: ModelAdapter,
-    codec: str | None = None,
-    prefix_chunks: bool = False,
-) -> list[Segment]:
-    """The prompt with every paragraph shuffled in, each matched to its precomputed chunk the way
-    the server matches them (the whole prompt tokenized, chunks found by the chunk index); with
-    `codec`, every chunk's K/V went through it (compressed and decompressed) first; with
-    `prefix_chunks`, every chunk was precomputed after the prompt's system prompt and chat header
-    (`chat_prefix`) instead of alone."""
-    paragraphs = list(example.documents)
-    shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
-    ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
-    prefix = tokenizer.encode(chat_prefix(), add_special_tokens=False) if prefix_chunks else []
-    registry = ChunkRegistry(2**34, adapter.rope_spec)
-    for paragraph in paragraphs:
-        tokens = tokenizer.encode(paragraph, add_special_tokens=False)
-        chunk = precompute_chunk(adapter, tokens, prefix_ids=prefix)
-        registry.add(chunk if codec is None else through_codec(chunk, codec))
-    return pinned_chunk_segments(registry, ids)[0]
-
-
-def through_codec(chunk: PrecomputedChunk, spec: str) -> PrecomputedChunk:
-    """The chunk as a tier storing it with codec `spec` returns it (int8 / int4: the codecs
-    tiers store, `tiers/chunk_forms.py`)."""
-    try:
-        return PrecomputedChunk(*stored_through_codec(chunk, stored_codec(spec)))
-    except ValueError as err:
-        raise SystemExit(str(err)) from None
 
 
 def measure(
@@ -223,8 +185,16 @@ def main() -> int:
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m != "full"]
     parsed = {m: parse_method(split_codec(m)[0]) for m in methods}
-    # Chunk sets other than the plain one: (codec, precomputed after the prefix).
-    variants = {(split_codec(m)[1], parsed[m].prefix_chunks) for m in methods} - {(None, False)}
+    # Chunk sets other than the plain one: (codec, precomputed after the prefix, from traffic).
+    variants = {
+        (
+            split_codec(m)[1],
+            parsed[m].prefix_chunks,
+            parsed[m].traffic_chunks,
+            parsed[m].mixed_traffic,
+        )
+        for m in methods
+    } - {(None, False, False, False)}
     suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + (
         "" if args.seed == SEED else f"_seed{args.seed}"
     )
@@ -247,7 +217,7 @@ def main() -> int:
     by_qid = {row["qid"]: row for row in rows}
     examples = load_hotpotqa(args.questions, seed=args.seed)
     companion: list[Segment] | None = None  # the `full+batch` noise floor's other prompt
-    for example in tqdm(examples, desc=args.model, disable=None):
+    for position, example in enumerate(tqdm(examples, desc=args.model, disable=None)):
         example = padded(example, examples, tokenizer, args.min_prompt_tokens)
         row = by_qid.get(example.qid)
         missing = [m for m in methods if row is None or m not in row["methods"]]
@@ -275,10 +245,19 @@ def main() -> int:
             rows.append(row)
             by_qid[example.qid] = row
         row["full_prefill_s"] = full.prefill_s
-        chunk_sets = {(None, False): segments}
-        for codec, prefix in variants:
-            chunk_sets[codec, prefix] = question_segments(
-                example, tokenizer, adapter, codec, prefix
+        chunk_sets = {(None, False, False, False): segments}
+        # The first prompt an `auto_chunks` server sees these paragraphs in asks another question
+        # (with `mixed`, among that question's paragraphs).
+        other = examples[(position + 1) % len(examples)]
+        for codec, prefix, traffic, mixed in variants:
+            chunk_sets[codec, prefix, traffic, mixed] = question_segments(
+                example,
+                tokenizer,
+                adapter,
+                codec,
+                prefix,
+                other.question if traffic else None,
+                other.documents if mixed else (),
             )
         for method in missing:
             spec = parsed[method]
@@ -288,7 +267,12 @@ def main() -> int:
                 model = other_dtype
             run = run_method(
                 model,
-                chunk_sets[split_codec(method)[1], spec.prefix_chunks],
+                chunk_sets[
+                    split_codec(method)[1],
+                    spec.prefix_chunks,
+                    spec.traffic_chunks,
+                    spec.mixed_traffic,
+                ],
                 spec.selector,
                 stop,
                 ANSWER_TOKENS,

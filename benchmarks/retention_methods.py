@@ -8,6 +8,12 @@ options), each followed by modifiers joined with `+`:
 - `layers<a>-<b>`: the scoring layers of `question_attention`, as fractions of the depth;
 - `prefix`: chunks precomputed after the prompt's system prompt and chat header instead of
   alone (`fusion/precompute.py`);
+- `traffic`: chunks captured from traffic as the server's `auto_chunks` does: the pieces
+  (`radix/segments.py`) of another prompt holding the same paragraphs in another order with
+  another question, their KV the rows that prompt's prefill computed (with `prefix`: the same
+  pieces precomputed after the system prompt and chat header instead);
+- `mixed`: (after `traffic`) the first prompts hold the paragraphs in two halves, each among as
+  many paragraphs of other questions: the co-occurring documents differ, as in real traffic;
 - `ape` or `ape<T>x<S>`: the question's attention over the chunks tempered as APE does
   (default T = S = 0.9, the APE code's);
 - `fp32`, `batch` (with `full` only): the full prefill again in float32, or inside a batch with
@@ -36,6 +42,8 @@ class Method:
 
     selector: Selector
     prefix_chunks: bool = False
+    traffic_chunks: bool = False
+    mixed_traffic: bool = False
     tempering: tuple[float, float] = (1.0, 1.0)
     noise: str | None = field(default=None)  # "fp32" or "batch": a full prefill computed otherwise
 
@@ -56,7 +64,7 @@ def parse_method(method: str) -> Method:
     name, _, ratio = method.partition("@")
     base, *modifiers = name.split("+")
     options: dict[str, object] = {}
-    prefix, tempering, noise = False, (1.0, 1.0), None
+    prefix, traffic, mixed, tempering, noise = False, False, False, (1.0, 1.0), None
     if base == "default":
         base = DEFAULT_SELECTOR
         options["sink_tokens"] = DEFAULT_SINK_TOKENS
@@ -70,6 +78,10 @@ def parse_method(method: str) -> Method:
             options["layers"] = (float(start), float(end))
         elif modifier == "prefix":
             prefix = True
+        elif modifier == "traffic":
+            traffic = True
+        elif modifier == "mixed" and traffic:
+            mixed = True
         elif modifier.startswith("ape"):
             given = modifier[3:]
             t, s = given.split("x") if given else APE_DEFAULT
@@ -88,4 +100,4 @@ def parse_method(method: str) -> Method:
         selector = make_selector(base, value, **options)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"method {method!r}: {err}") from None
-    return Method(selector, prefix, tempering, noise)
+    return Method(selector, prefix, traffic, mixed, tempering, noise)

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang_hicache_ext.fusion.rope import rope_spec_from_config
+from sglang_hicache_ext.radix.segments import break_token_ids
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
+from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     registration_codec,
     registration_id,
@@ -56,6 +58,7 @@ def cache_class() -> type:
             settings: ExtensionSettings = ExtensionSettings()
             chunks: ChunkRegistry | None = None
             chunks_unavailable: str = "not initialised"
+            auto_capture: AutoCapture | None = None  # with the setting auto_chunks
             disk_tier: Any = None  # sglang_hicache_ext.sglang_ext.disk_tier.storage_backend.GroupTTLDiskStorage when in use
             _recorded_rids: OrderedDict[str, None] | None = None
 
@@ -101,7 +104,21 @@ def cache_class() -> type:
                 # Chunked prefill checkpoints each round; only the last one has every row computed.
                 if chunk_id is not None and up_to >= len(req.origin_input_ids):
                     self._capture_chunk(req, chunk_id)
+                elif self.auto_capture is not None and up_to >= len(req.origin_input_ids):
+                    self._capture_pieces(req)
                 super().checkpoint(req, up_to=up_to, **kwargs)
+
+            def _capture_pieces(self, req: Any) -> None:
+                """auto_chunks: the prompt's documents kept from the rows just computed, when
+                the request asked for fusion (only fused requests can reuse them)."""
+                assert self.auto_capture is not None
+                if not fused_prefill.asks_for_fusion(req):
+                    return
+                tokens = req.origin_input_ids
+                slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(tokens)]
+                self.auto_capture.capture(
+                    req.rid, tokens, self.token_to_kv_pool_allocator.get_kvcache(), slots
+                )
 
             def _capture_chunk(self, req: Any, chunk_id: str) -> None:
                 if self.chunks is None:
@@ -140,6 +157,7 @@ def cache_class() -> type:
                     if self.chunks is not None
                     else self.chunks_unavailable,
                     "fusion": fused_prefill.runtime().stats() if fused_prefill.runtime() else None,
+                    "auto_chunks": self.auto_capture.stats() if self.auto_capture else None,
                     "disk_tier": self.disk_tier.status() if self.disk_tier is not None else None,
                 }
 
@@ -156,9 +174,14 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     cache = create_unified_radix_cache(ctx, cache_class=cache_class())
     cache.settings = settings
     cache.chunks, cache.chunks_unavailable = _chunk_registry(ctx, settings)
+    if cache.chunks is not None and settings.auto_chunks:
+        # The preflight refuses auto_chunks with --skip-tokenizer-init: the scheduler has one.
+        cache.auto_capture = AutoCapture.for_settings(
+            settings, cache.chunks, break_token_ids(ctx.tp_worker.tokenizer)
+        )
     cache.disk_tier = _install_disk_tier(cache)
     model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
-    fused_prefill.install_runtime(cache.chunks, settings, model_name)
+    fused_prefill.install_runtime(cache.chunks, settings, model_name, cache.auto_capture)
     logger.info(
         "hicache_ext radix cache ready: tree_core=%s hierarchical_cache=%s",
         settings.tree_core,

@@ -1,35 +1,15 @@
-"""The processes of a running test server: its process group, their memory, TCP states."""
+"""The TCP states of a running test server's sockets (its process group and memory are the
+launcher's: `sglang_ext/server/launcher.py`)."""
 
 from __future__ import annotations
 
-import os
+from sglang_hicache_ext.sglang_ext.server.launcher import group_rss_bytes, server_process_group
 
-import psutil
+__all__ = ["group_rss_bytes", "server_process_group", "tcp_states_on_port"]
 
 # /proc/net/tcp state codes
 TCP_LISTEN = "0A"
 TCP_TIME_WAIT = "06"
-
-
-def server_process_group(port: int) -> int:
-    """The process group of the server listening on `port` (the launcher starts each server in
-    its own session, so the group is the whole server: HTTP process, scheduler, detokenizer)."""
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return os.getpgid(conn.pid)
-    raise LookupError(f"no process listens on port {port}")
-
-
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory summed over the live processes of a process group."""
-    total = 0
-    for process in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(process.pid) == pgid:
-                total += process.memory_info().rss
-        except (psutil.Error, ProcessLookupError):
-            continue
-    return total
 
 
 def tcp_states_on_port(port: int) -> list[str]:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.fusion_retention import question_segments
+from benchmarks.retention_chunks import question_segments
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_answer
 from sglang_hicache_ext.evaluation.fused_answers import run_method, teacher_forced_kl

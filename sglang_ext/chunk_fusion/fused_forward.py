@@ -78,7 +78,7 @@ def run_fused_batch(
     )
     infos: list[dict[str, Any] | None] = []
     offset = 0
-    for plan in plans:
+    for index, plan in enumerate(plans):
         rows = plan.continuation
         assert rows is not None
         loc = out_cache_loc[offset : offset + plan.extend_len]
@@ -98,6 +98,8 @@ def run_fused_batch(
             rt.counters["fused_continuation_rounds"] += 1
         if rows.done:
             rt.pending.pop(plan.req, None)
+            if rt.auto_capture is not None and plan.probe_form is None:
+                _capture_pieces(rt, runner, forward_batch, index, plan)
         else:
             rows.keep_on_host()
             rt.pending[plan.req] = rows
@@ -211,6 +213,18 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
     )
 
 
+def _capture_pieces(
+    rt: FusionRuntime, runner: Any, forward_batch: Any, index: int, plan: RequestPlan
+) -> None:
+    """auto_chunks: every row of the prompt is in the pool now; the pieces computed whole
+    (no reused chunk in them) are kept."""
+    assert rt.auto_capture is not None
+    tokens = plan.req.origin_input_ids
+    row = forward_batch.req_pool_indices[index]
+    slots = runner.req_to_token_pool.req_to_token[row, : len(tokens)]
+    rt.auto_capture.capture(plan.rid, tokens, runner.token_to_kv_pool, slots, fused=True)
+
+
 def _write(kv_pool: Any, adapter: SGLangModelAdapter, loc: torch.Tensor, rows: RoundRows) -> None:
     for layer in range(adapter.shape.num_layers):
         layer_id = kv_pool.start_layer + layer
@@ -223,6 +237,11 @@ def _count_fused(
 ) -> None:
     rt.counters["fused_requests"] += 1
     rt.counters["tokens_reused"] += info["tokens_reused"]
+    rt.counters["chunk_tokens"] += info["chunk_tokens"]
+    if plan.probe_form is None:
+        # Prompt tokens the server did not compute: the response's cached_tokens (OpenAI's
+        # usage.prompt_tokens_details) counts reused chunk rows beside the prefix-cache hit.
+        plan.req.cached_tokens += info["tokens_reused"]
     rt.counters["prefix_tokens_reused"] += info["prefix_tokens"]
     metrics = extension_metrics()
     if metrics is not None and plan.options is not None:

@@ -30,6 +30,7 @@ import functools
 import logging
 from typing import Any
 
+from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_forward import run_fused_batch
 from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY, parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import check_probe_params
@@ -37,12 +38,14 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
     FusionRuntime,
     count_fallbacks,
     fall_back,
+    options_of,
     plan_batch,
     plan_mixed_batch,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     REGISTER_PARAM,
     registering_chunk,
+    registration_id,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import FusedTtftMetrics
@@ -55,14 +58,27 @@ _runtime: FusionRuntime | None = None
 
 
 def install_runtime(
-    registry: ChunkRegistry | None, settings: ExtensionSettings, model_name: str = ""
+    registry: ChunkRegistry | None,
+    settings: ExtensionSettings,
+    model_name: str = "",
+    auto_capture: AutoCapture | None = None,
 ) -> None:
     global _runtime
     _runtime = FusionRuntime(registry, settings, model_name) if registry is not None else None
+    if _runtime is not None:
+        _runtime.auto_capture = auto_capture
 
 
 def runtime() -> FusionRuntime | None:
     return _runtime
+
+
+def asks_for_fusion(req: Any) -> bool:
+    """The request asked for fusion (its `custom_params.fusion`, or `fusion_by_default`)."""
+    if _runtime is None or registration_id(req) is not None:
+        return False
+    options = options_of(_runtime, req, count=False)
+    return options is not None and options.enabled
 
 
 # ---- hooks ------------------------------------------------------------------------------

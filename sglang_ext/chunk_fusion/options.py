@@ -22,7 +22,8 @@ from sglang_hicache_ext.sglang_ext.server.setting_types import (
     SinkTokens,
     selector_choices,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, bound_phrase
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.server.validation_messages import bound_phrase
 
 ENABLE_KEY = "fusion"
 SELECTOR_KEY = "fusion_selector"

@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
+from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
     WholeFetches,
     pinned_chunk_segments,
@@ -65,6 +66,8 @@ class FusionRuntime:
         self._ratio_table: RatioTable | None = None
         # "auto" without a ratio table: ratios from this server's own prefills and loads.
         self.self_tuned = SelfTunedRatios.for_model(model_name)
+        # With the setting auto_chunks: fused prompts' own documents kept as chunks.
+        self.auto_capture: AutoCapture | None = None
 
     def ratio_table(self) -> RatioTable:
         """The tuned ratios of `fusion_ratio_table` (read once; ValueError when unusable)."""

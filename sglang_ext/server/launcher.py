@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import requests
 
 
@@ -49,7 +50,8 @@ class ServerConfig:
     device: str | None = None
     attention_backend: str | None = None  # CPU: torch_position; CUDA: SGLang's default
     radix_cache_backend: str | None = "hicache_ext"
-    dtype: str | None = None  # CPU: float32, since SGLang's "auto" turns fp32 checkpoints into slow fp16
+    # CPU: float32, since SGLang's "auto" turns fp32 checkpoints into slow fp16.
+    dtype: str | None = None
     max_total_tokens: int = 16384
     page_size: int = 16
     hierarchical_cache: bool = False
@@ -225,3 +227,24 @@ def flush_cache(url: str, attempts: int = 30) -> None:
             return
         time.sleep(1.0)
     raise RuntimeError(f"{url}/flush_cache refused {attempts} times (requests still running?)")
+
+
+def server_process_group(port: int) -> int:
+    """The process group of the server listening on `port` (the launcher starts each server in
+    its own session, so the group is the whole server: HTTP process, scheduler, detokenizer)."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return os.getpgid(conn.pid)
+    raise LookupError(f"no process listens on port {port}")
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory summed over the live processes of a process group."""
+    total = 0
+    for process in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(process.pid) == pgid:
+                total += process.memory_info().rss
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return total

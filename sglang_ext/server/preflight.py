@@ -158,6 +158,14 @@ def check_ratio_table(settings: ExtensionSettings, model_path: str) -> None:
         )
 
 
+def check_auto_chunks(settings: ExtensionSettings, server_args: Any) -> None:
+    if settings.auto_chunks and getattr(server_args, "skip_tokenizer_init", False):
+        raise PreflightError(
+            "auto_chunks needs the tokenizer in the scheduler (its paragraph breaks); "
+            "drop --skip-tokenizer-init or set auto_chunks = false"
+        )
+
+
 def _looks_local(model_path: str) -> bool:
     # Hub ids are "org/name"; anything absolute, relative-dotted or home-based is a folder.
     return model_path.startswith(("/", "./", "../", "~")) or Path(model_path).expanduser().exists()
@@ -211,6 +219,7 @@ def run_checks(server_args: Any, serving_http: bool) -> ExtensionSettings:
     check_chunk_disk(settings)
     check_chunk_mooncake(settings)
     check_ratio_table(settings, str(server_args.model_path))
+    check_auto_chunks(settings, server_args)
     if not settings.preflight_checks:
         return settings
     check_model_path(str(server_args.model_path))

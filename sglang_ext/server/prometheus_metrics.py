@@ -124,6 +124,16 @@ class ExtensionMetrics:
             "Disk tier faults answered as misses, by kind (see GET /hicache_ext/storage errors).",
             "kind",
         )
+        self._auto_chunks = counter(
+            "auto_chunks_total",
+            "Pieces of prompts auto_chunks looked at, by outcome: captured (kept as a chunk), "
+            "covered (a stored chunk covers it), over_cap (auto_chunks_per_minute reached), "
+            "not_computed (a fused prefill reused part of it), failed (no tier took it).",
+            "outcome",
+        )
+        self._auto_chunk_tokens = counter(
+            "auto_chunk_tokens_captured_total", "Tokens of the pieces auto_chunks kept."
+        )
         # Series that exist from the start (0), so that a rate over them is defined at once.
         for series in (self._chunk_hits, self._chunk_misses, self._chunk_read_bytes):
             series.labels(**self.labels, tier=CHUNK_STORE_TIER)
@@ -157,6 +167,11 @@ class ExtensionMetrics:
 
     def chunk_stored_bytes(self, nbytes: int, tier: str = CHUNK_STORE_TIER) -> None:
         self._chunk_stored_bytes.labels(**self.labels, tier=tier).set(nbytes)
+
+    def auto_chunk(self, outcome: str, num_tokens: int) -> None:
+        self._auto_chunks.labels(**self.labels, outcome=outcome).inc()
+        if outcome == "captured":
+            self._auto_chunk_tokens.labels(**self.labels).inc(num_tokens)
 
     # -- disk tier ----------------------------------------------------------------------------
 

@@ -16,15 +16,12 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_core import ErrorDetails
 
 from sglang_hicache_ext.sglang_ext.server.extra_config import SettingsError, read_extra_config
 from sglang_hicache_ext.sglang_ext.server.setting_types import (
-    RATIO_CHOICES,
     ChunkCodecSpec,
     ContextTempering,
     DecodeCapacity,
@@ -35,6 +32,7 @@ from sglang_hicache_ext.sglang_ext.server.setting_types import (
     SinkTokens,
     TierOrder,
 )
+from sglang_hicache_ext.sglang_ext.server.validation_messages import one_line
 
 CONFIG_ENV_VAR = "SGLANG_HICACHE_EXT_CONFIG"
 EXTRA_CONFIG_KEY = "hicache_ext_config"
@@ -215,12 +213,41 @@ class ExtensionSettings(BaseModel):
         json_schema_extra={"zero_means": "unlimited"},
     )
 
+    # On: measured as close to the full prefill as chunks registered after the prefix, and a
+    # copy of rows per new document (docs/auto-chunks.md); only prompts that ask for fusion are
+    # captured, so a server where nobody fuses keeps nothing.
+    auto_chunks: bool = Field(
+        True,
+        description="Reuse documents from ordinary traffic: the paragraphs of every prompt that "
+        "asks for fusion (custom_params.fusion, or fusion_by_default) are kept as chunks from "
+        "the rows its own prefill computed (radix/segments.py), so a later prompt holding one "
+        "at any position reuses it, with no POST /chunks. They live in the same tiers and "
+        "budgets as registered chunks.",
+    )
+    auto_chunk_min_tokens: int = Field(
+        32,
+        ge=8,
+        description="Shortest paragraph kept by auto_chunks (questions and labels are shorter).",
+    )
+    auto_chunk_max_tokens: int = Field(
+        512,
+        ge=16,
+        description="Longest piece kept by auto_chunks: longer paragraphs are cut where their "
+        "content says (a rolling hash), so the cuts fall at the same places in every prompt.",
+    )
+    auto_chunks_per_minute: int = Field(
+        600,
+        gt=0,
+        description="Most pieces auto_chunks keeps per minute (each copies its rows and may "
+        "write them to disk on the scheduler thread); pieces over the cap are counted, not kept.",
+    )
+
     def __init__(self, **values: Any) -> None:
         # Built in code or from a file, a bad value is the same one-line SettingsError.
         try:
             super().__init__(**values)
         except ValidationError as err:
-            raise SettingsError(one_line(err)) from None
+            raise SettingsError(one_line(err, ExtensionSettings)) from None
 
     @model_validator(mode="after")
     def _lower_tiers_are_configured(self) -> ExtensionSettings:
@@ -245,6 +272,15 @@ class ExtensionSettings(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _auto_chunk_sizes_fit(self) -> ExtensionSettings:
+        if self.auto_chunk_max_tokens < 2 * self.auto_chunk_min_tokens:
+            raise ValueError(
+                f"auto_chunk_max_tokens = {self.auto_chunk_max_tokens} must be at least twice "
+                f"auto_chunk_min_tokens = {self.auto_chunk_min_tokens}"
+            )
+        return self
+
     @property
     def chunk_tier_names(self) -> tuple[str, ...]:
         """The chunk tiers in use, fastest first."""
@@ -262,66 +298,6 @@ class ExtensionSettings(BaseModel):
             return cls(**{str(key): value for key, value in values.items()})
         except SettingsError as err:
             raise SettingsError(f"{source}: {err}") from None
-
-
-def one_line(err: ValidationError) -> str:
-    """The first problem of a settings ValidationError, as the one line an operator reads."""
-    errors = err.errors()
-    unknown = [str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden"]
-    if unknown:
-        known = ExtensionSettings.model_fields
-        return (
-            f"unknown setting(s) {', '.join(map(repr, sorted(unknown)))}; "
-            f"known settings: {', '.join(known)}"
-        )
-    return _describe(errors[0])
-
-
-def _describe(error: ErrorDetails) -> str:
-    if not error["loc"]:  # a check across settings (a model validator)
-        return str(error["ctx"]["error"]) if "ctx" in error else error["msg"]
-    name = str(error["loc"][0])
-    field = ExtensionSettings.model_fields[name]
-    given = f"{name} = {error['input']!r}"
-    if name == "fusion_recompute_ratio":  # a union: pydantic reports one error per member
-        return f"{given} {RATIO_CHOICES}"
-    kind = error["type"]
-    if kind == "literal_error":
-        if len(error["loc"]) > 1:  # an item of a list setting: pydantic names the choices
-            return f"{name}: {error['input']!r} is unknown; choose from {error['ctx']['expected']}"
-        allowed = ", ".join(map(repr, get_args(field.annotation)))
-        return f"{given} is not allowed; choose one of {allowed}"
-    if kind.endswith("_type"):
-        return (
-            f"{given} should be of type {getattr(field.annotation, '__name__', field.annotation)}"
-        )
-    if kind == "value_error":
-        return f"{given} {error['ctx']['error']}"
-    if kind == "finite_number":
-        return f"{given} must be a finite number"
-    bound = bound_phrase(field)
-    if bound:
-        extra = field.json_schema_extra
-        zero = extra.get("zero_means") if isinstance(extra, dict) else None
-        return f"{given} must be {bound}" + (f" (0 = {zero})" if zero else "")
-    return f"{given}: {error['msg']}"
-
-
-def bound_phrase(field: FieldInfo) -> str:
-    """A field's numeric bounds in words: "positive", ">= 0", "in [0, 1]" ("" when unbounded)."""
-    symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-    # Field(gt=..., ...) becomes one annotated_types object per bound in `metadata`.
-    bounds = {
-        name: getattr(item, name)
-        for item in field.metadata
-        for name in symbols
-        if hasattr(item, name)
-    }
-    if "ge" in bounds and "le" in bounds:
-        return f"in [{bounds['ge']}, {bounds['le']}]"
-    if bounds.get("gt") == 0 and len(bounds) == 1:
-        return "positive"
-    return " and ".join(f"{symbols[name]} {value}" for name, value in bounds.items())
 
 
 def read_settings_file(path: str | os.PathLike[str]) -> ExtensionSettings:

@@ -1,0 +1,179 @@
+"""`auto_chunks` under a stream of unique documents and pathological prompts, in one run.
+
+SmolLM2-135M-Instruct on the CPU server. Two servers, one after the other:
+
+1. `auto_chunks` off: the first `--baseline` requests of the stream (fusion off) and the
+   pathological prompts, each timed (client latency of /generate, one new token).
+2. `auto_chunks` and `fusion_by_default` on, `chunk_store_bytes` = `--store-mb`: the whole
+   stream, `--docs` unique HotpotQA paragraphs (their first ~200 characters: ~45 tokens, above
+   `auto_chunk_min_tokens`), `--per-request` per prompt, one request at a time. Every 25
+   requests: the server's resident memory (all its processes), the chunk bytes in host memory
+   and the `auto_chunks` counts. Then the pathological prompts again, fused by default.
+
+Reported: latency of the stream's first requests with and without `auto_chunks` (the cost of
+capture when nothing is reused), RSS growth over the second half, the store's bytes against its
+budget, pieces kept per minute against `auto_chunks_per_minute`, and each pathological prompt's
+latency against fusion off: one token repeated to near the context, 700 one-line paragraphs
+(SmolLM2's context holds 8,192 tokens) and paragraphs that differ by one character.
+
+    python -m benchmarks.auto_reuse_limits [--docs 10000 --per-request 20]
+-> benchmarks/results/auto_reuse_limits.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+from tqdm import tqdm
+
+from benchmarks.smollm2_server import RESULTS, smollm2_server
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.server.launcher import group_rss_bytes, server_process_group
+
+REPEATS = 3
+
+
+def unique_documents(count: int) -> list[str]:
+    docs: dict[str, None] = {}
+    questions = 1
+    while len(docs) < count:
+        questions = min(7405, questions * 2 + count // 5)
+        for example in load_hotpotqa(questions, seed=41):
+            for doc in example.documents:
+                docs.setdefault(doc[:200].rsplit(" ", 1)[0], None)
+        if questions == 7405:
+            break
+    if len(docs) < count:
+        raise SystemExit(f"HotpotQA has {len(docs)} distinct paragraphs, fewer than {count}")
+    return list(docs)[:count]
+
+
+def timed(url: str, body: dict[str, Any]) -> float:
+    began = time.perf_counter()
+    response = requests.post(url + "/generate", json=body, timeout=1200)
+    response.raise_for_status()
+    return time.perf_counter() - began
+
+
+def prompt_body(docs: list[str], **custom: Any) -> dict[str, Any]:
+    text = "\n\n".join(docs) + "\n\nWhich of these is about a person?"
+    return {"text": text, "sampling_params": {"max_new_tokens": 1, "custom_params": custom}}
+
+
+def pathological(url: str, docs: list[str]) -> dict[str, dict[str, Any]]:
+    token = requests.post(url + "/tokenize", json={"prompt": " the"}, timeout=30).json()["tokens"]
+    lines = "\n".join(f"Line {i}: all quiet." for i in range(700))
+    twins = [d for doc in docs[:6] for d in (doc, doc.replace(" ", "  ", 1))]
+    return {
+        "one_token_x7000": {
+            "input_ids": token[-1:] * 7000,
+            "sampling_params": {"max_new_tokens": 1},
+        },
+        "lines_x700": {"text": lines, "sampling_params": {"max_new_tokens": 1}},
+        "one_word_twins": prompt_body(twins),
+    }
+
+
+def time_pathological(url: str, docs: list[str]) -> dict[str, float]:
+    bodies = pathological(url, docs)
+    return {
+        name: statistics.median(timed(url, body) for _ in range(REPEATS))
+        for name, body in bodies.items()
+    }
+
+
+def auto_stats(url: str) -> dict[str, Any]:
+    state = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
+    ext = state["hicache_ext"]
+    return {"auto": ext["auto_chunks"], "host_bytes": ext["chunks"]["bytes_used"]}
+
+
+def settings_env(values: dict[str, Any]) -> dict[str, str]:
+    path = Path(tempfile.mkdtemp(prefix="auto-limits-")) / "settings.json"
+    path.write_text(json.dumps(values))
+    return {"SGLANG_HICACHE_EXT_CONFIG": str(path)}
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=10_000)
+    parser.add_argument("--per-request", type=int, default=20)
+    parser.add_argument("--baseline", type=int, default=60)
+    parser.add_argument("--store-mb", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=RESULTS / "auto_reuse_limits.json")
+    args = parser.parse_args()
+    docs = unique_documents(args.docs)
+    batches = [docs[i : i + args.per_request] for i in range(0, len(docs), args.per_request)]
+    with smollm2_server("limits-off", env=settings_env({})) as server:
+        off_latency = [timed(server.url, prompt_body(b)) for b in batches[: args.baseline]]
+        off_pathological = time_pathological(server.url, docs)
+    budget = args.store_mb * 1024**2
+    env = settings_env(
+        {"auto_chunks": True, "fusion_by_default": True, "chunk_store_bytes": budget}
+    )
+    samples, on_latency = [], []
+    with smollm2_server("limits-on", env=env) as server:
+        group = server_process_group(server.port)
+        began = time.monotonic()
+        for i, batch in enumerate(tqdm(batches, desc="stream", disable=None)):
+            on_latency.append(timed(server.url, prompt_body(batch)))
+            if i % 25 == 24 or i == len(batches) - 1:
+                stats = auto_stats(server.url)
+                samples.append(
+                    {
+                        "requests": i + 1,
+                        "seconds": time.monotonic() - began,
+                        "rss_bytes": group_rss_bytes(group),
+                        **stats,
+                    }
+                )
+        on_pathological = time_pathological(server.url, docs)
+        final = auto_stats(server.url)
+    half = samples[len(samples) // 2 :]
+    captured = final["auto"]["captured"]
+    minutes = samples[-1]["seconds"] / 60
+    summary = {
+        "documents": len(docs),
+        "requests": len(batches),
+        "latency_first_requests_off_s": statistics.median(off_latency),
+        "latency_first_requests_on_s": statistics.median(on_latency[: args.baseline]),
+        "latency_ratio_on_off": statistics.median(on_latency[: args.baseline])
+        / statistics.median(off_latency),
+        "rss_second_half_growth_bytes": half[-1]["rss_bytes"] - half[0]["rss_bytes"],
+        "rss_at_half_bytes": half[0]["rss_bytes"],
+        "host_chunk_bytes_max": max(s["host_bytes"] for s in samples),
+        "host_chunk_budget_bytes": budget,
+        "captured": captured,
+        "over_cap": final["auto"]["over_cap"],
+        "captured_per_minute": captured / minutes,
+        "cap_per_minute": final["auto"]["per_minute"],
+        "pathological_on_s": on_pathological,
+        "pathological_off_s": off_pathological,
+        "pathological_ratio": {
+            k: on_pathological[k] / off_pathological[k] for k in off_pathological
+        },
+    }
+    report = {
+        "command": "python -m benchmarks.auto_reuse_limits " + " ".join(sys.argv[1:]),
+        "model": "SmolLM2-135M-Instruct",
+        "summary": summary,
+        "samples": samples,
+        "latency_off_s": off_latency,
+        "latency_on_s": on_latency,
+    }
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Documents of ordinary traffic kept as chunks (setting `auto_chunks`): no `POST /chunks`.
+
+When a request's prompt has been prefilled (its last prefill round, fused or not), its pieces
+(`radix/segments.py`: paragraphs, long ones cut where their content says) that no stored chunk
+already covers are kept as chunks from the rows the prefill computed: keys rotated back to
+pre-RoPE from the positions they were computed at, like a registration's capture
+(`registry.capture`), recording the prompt before the piece as the prefix it was computed after.
+A later prompt holding the piece at any position then matches it through the chunk index like a
+registered chunk. Why the request's own rows and not a second prefill after the system prompt:
+the fidelity harness measured both the same (`benchmarks/results/auto_chunk_source_qwen.json`),
+and the rows cost a copy where a second prefill costs the prompt's compute again.
+
+Only rows the model computed for this prompt are kept: in a fused prefill the pieces overlapping
+a reused chunk hold recovered rows, so only pieces computed whole are taken. At most
+`auto_chunks_per_minute` pieces are kept per minute (each costs a copy of its rows, and with a
+disk tier a write, on the scheduler thread); pieces over the cap are counted, not kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from sglang_hicache_ext.fusion.chunk import chunk_hash
+from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
+from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+
+if TYPE_CHECKING:
+    from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+
+logger = logging.getLogger(__name__)
+
+# A piece this much covered by stored chunks is reused already: keeping it again would store a
+# second copy of the same document (e.g. behind another "Document N." label).
+_COVERED = 0.9
+_SEEN_REQUESTS = 4096  # the tree checkpoints a request more than once at its full length
+_WINDOW_S = 60.0
+OUTCOMES = ("captured", "covered", "over_cap", "not_computed", "failed")
+
+
+class AutoCapture:
+    """Keeps the uncovered pieces of each prefilled prompt as chunks, under a per-minute cap."""
+
+    def __init__(
+        self,
+        registry: ChunkRegistry,
+        breaks: frozenset[int],
+        rule: SegmentRule,
+        per_minute: int,
+        codec: str | None = None,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.breaks = breaks
+        self.rule = rule
+        self.per_minute = per_minute
+        self.codec = codec
+        self.counts: Counter[str] = Counter({outcome: 0 for outcome in OUTCOMES})
+        self.tokens_captured = 0
+        self._clock = clock
+        self._recent: deque[float] = deque()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    @classmethod
+    def for_settings(
+        cls, settings: ExtensionSettings, registry: ChunkRegistry, breaks: frozenset[int]
+    ) -> AutoCapture:
+        rule = SegmentRule(
+            settings.auto_chunk_min_tokens,
+            settings.auto_chunk_max_tokens,
+            cut_every=settings.auto_chunk_max_tokens // 2,
+        )
+        logger.info(
+            "hicache_ext auto_chunks: pieces of %d-%d tokens, at most %d per minute",
+            rule.min_tokens,
+            rule.max_tokens,
+            settings.auto_chunks_per_minute,
+        )
+        return cls(registry, breaks, rule, settings.auto_chunks_per_minute, settings.chunk_codec)
+
+    def capture(
+        self,
+        rid: str,
+        tokens: Sequence[int],
+        kv_pool: Any,
+        slots: torch.Tensor,
+        fused: bool = False,
+    ) -> int:
+        """Keep the prompt's uncovered pieces whose rows sit at `slots` (one per token, at
+        positions 0..n-1); `fused`: the rows of chunk-covered tokens are recovered, not
+        computed. Returns how many pieces were kept."""
+        if rid in self._seen:
+            return 0
+        self._seen[rid] = None
+        if len(self._seen) > _SEEN_REQUESTS:
+            self._seen.popitem(last=False)
+        pieces = document_segments(tokens, self.breaks, self.rule)
+        if not pieces:
+            return 0
+        covered = np.zeros(len(tokens), dtype=bool)
+        for match in self.registry.index.find(tokens):
+            covered[match.prompt_start : match.prompt_end] = True
+        kept = 0
+        for start, end in pieces:
+            piece = [int(t) for t in tokens[start:end]]
+            chunk_id = chunk_hash(piece)
+            share = float(covered[start:end].mean())
+            # Stored already: the same piece earlier in this prompt, or a chunk the index
+            # cannot match (its anchors are too common, e.g. one token repeated).
+            if share >= _COVERED or chunk_id in self.registry.store:
+                outcome = "covered"
+            elif fused and share > 0:
+                outcome = "not_computed"
+            elif not self._take_slot():
+                outcome = "over_cap"
+            else:
+                stored = self.registry.capture(
+                    chunk_id,
+                    piece,
+                    kv_pool,
+                    slots[start:end].to(torch.long),
+                    self.codec,
+                    tuple(int(t) for t in tokens[:start]),
+                )
+                outcome = "captured" if stored else "failed"
+            self._count(outcome, end - start)
+            kept += outcome == "captured"
+        return kept
+
+    def _take_slot(self) -> bool:
+        now = self._clock()
+        while self._recent and now - self._recent[0] >= _WINDOW_S:
+            self._recent.popleft()
+        if len(self._recent) >= self.per_minute:
+            return False
+        self._recent.append(now)
+        return True
+
+    def _count(self, outcome: str, num_tokens: int) -> None:
+        self.counts[outcome] += 1
+        if outcome == "captured":
+            self.tokens_captured += num_tokens
+        elif outcome == "over_cap" and _worth_a_line(self.counts[outcome]):
+            logger.warning(
+                "auto_chunks: %d pieces over the cap of %d per minute not kept so far",
+                self.counts[outcome],
+                self.per_minute,
+            )
+        metrics = extension_metrics()
+        if metrics is not None:
+            metrics.auto_chunk(outcome, num_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counts,
+            "tokens_captured": self.tokens_captured,
+            "per_minute": self.per_minute,
+            "min_tokens": self.rule.min_tokens,
+            "max_tokens": self.rule.max_tokens,
+        }
+
+
+def _worth_a_line(count: int) -> bool:
+    # A steady overload would log every request: the 1st, 10th, 100th, then every 1000th.
+    return count in (1, 10, 100) or count % 1000 == 0

@@ -1,0 +1,286 @@
+"""Documents reused from ordinary OpenAI traffic (setting `auto_chunks`): no POST /chunks.
+
+One SmolLM2 server with `auto_chunks`, `fusion_by_default`, a chunk disk tier and
+`--enable-cache-report`; requests through the `openai` package as SGLang users send them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+
+pytestmark = pytest.mark.server
+
+SYSTEM = "Answer the question from the documents in a few words."
+PER_MINUTE = 60
+
+
+def _config(smollm2_path: Path, workdir: Path, port: int) -> ServerConfig:
+    settings = workdir / "settings.json"
+    settings.write_text(
+        json.dumps(
+            {
+                "auto_chunks": True,
+                "auto_chunks_per_minute": PER_MINUTE,
+                "fusion_by_default": True,
+                "chunk_disk_dir": str(workdir / "chunks"),
+            }
+        )
+    )
+    return ServerConfig(
+        model_path=str(smollm2_path),
+        port=port,
+        max_total_tokens=20_000,
+        extra_args=("--enable-cache-report", "--enable-metrics", "--chunked-prefill-size", "512"),
+        env={"SGLANG_HICACHE_EXT_CONFIG": str(settings)},
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("auto_chunks")
+
+
+class AutoServer:
+    """The module's server, restartable on the same chunk disk folder."""
+
+    def __init__(self, smollm2_path: Path, workdir: Path) -> None:
+        self._path, self._workdir = smollm2_path, workdir
+        self._stack = contextlib.ExitStack()
+        self.url = self._start()
+
+    def _start(self) -> str:
+        config = _config(self._path, self._workdir, free_port())
+        log = self._workdir / f"server-{config.port}.log"
+        return self._stack.enter_context(running_server(config, log_path=log)).url
+
+    def restart(self) -> None:
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
+        self.url = self._start()
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+@pytest.fixture(scope="module")
+def auto_server(smollm2_path: Path, workdir: Path) -> Iterator[AutoServer]:
+    server = AutoServer(smollm2_path, workdir)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    docs = [doc for example in load_hotpotqa(12, seed=23) for doc in example.documents]
+    return [doc for doc in docs if len(doc) > 250][:24]
+
+
+def _messages(documents: list[str], question: str) -> list[dict[str, str]]:
+    body = "\n\n".join(f"Document {i + 1}. {doc}" for i, doc in enumerate(documents))
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{body}\n\nQuestion: {question}"},
+    ]
+
+
+def _chat(url: str, documents: list[str], question: str, **custom: Any) -> Any:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    extra = {"custom_params": custom} if custom else None
+    return client.chat.completions.create(
+        model="default",
+        messages=_messages(documents, question),
+        max_tokens=8,
+        temperature=0,
+        extra_body=extra,
+    )
+
+
+def _stats(url: str) -> dict[str, Any]:
+    info = requests.get(url + "/server_info", timeout=30).json()
+    return info["internal_states"][0]["hicache_ext"]
+
+
+def test_second_sight_of_documents_is_reused_without_registration(
+    auto_server: AutoServer, corpus: list[str]
+) -> None:
+    import openai
+
+    url = auto_server.url
+    first = _chat(url, corpus[0:4], "Which document is the oldest?")
+    assert first.usage.prompt_tokens_details.cached_tokens < 40  # nothing stored yet
+    captured = _stats(url)["auto_chunks"]
+    assert captured["captured"] >= 4, captured
+    # The same documents in another order, at other positions, streamed by the openai client.
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    stream = client.chat.completions.create(
+        model="default",
+        messages=_messages([corpus[3], corpus[1], corpus[0], corpus[2]], "Who is named first?"),
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    document_tokens = sum(
+        len(t) for t in _tokenize(url, [corpus[3], corpus[1], corpus[0], corpus[2]])
+    )
+    # cached_tokens counts the reused chunk rows (85 % of the matched ones at r = 0.15).
+    assert usage.prompt_tokens_details.cached_tokens >= 0.9 * 0.85 * document_tokens * 0.9
+    chunks_listed = requests.get(url + "/chunks", timeout=30).json()
+    assert len(chunks_listed["chunks"]) >= 4
+
+
+def test_openai_rag_example_reuses_its_documents(auto_server: AutoServer) -> None:
+    from examples import openai_rag
+
+    first, second = openai_rag.main(["--base-url", auto_server.url + "/v1"])
+    assert first.text and second.text
+    document_tokens = sum(len(t) for t in _tokenize(auto_server.url, list(openai_rag.DOCUMENTS)))
+    # The second request computes only the question and its header, and the recomputed share.
+    assert second.cached_tokens - first.cached_tokens >= 0.7 * document_tokens
+
+
+def test_completions_api_reuses_documents_too(auto_server: AutoServer, corpus: list[str]) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=auto_server.url + "/v1", api_key="none")
+    docs = [corpus[4], corpus[5]]
+
+    def complete(order: list[str], question: str) -> Any:
+        body = "\n\n".join(f"[{i}] {doc}" for i, doc in enumerate(order))
+        return client.completions.create(
+            model="default", prompt=f"{body}\n\n{question}\nAnswer:", max_tokens=4, temperature=0
+        )
+
+    first = complete(docs, "Which is older?")
+    second = complete(docs[::-1], "Which is newer?")
+    document_tokens = sum(len(t) for t in _tokenize(auto_server.url, docs))
+    gained = second.usage.prompt_tokens_details.cached_tokens - (
+        first.usage.prompt_tokens_details.cached_tokens
+    )
+    assert gained >= 0.7 * document_tokens
+
+
+def _tokenize(url: str, texts: list[str]) -> list[list[int]]:
+    return [
+        requests.post(url + "/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
+        for text in texts
+    ]
+
+
+def test_concurrent_capture_and_fusion_equal_one_by_one(
+    auto_server: AutoServer, corpus: list[str]
+) -> None:
+    """48 requests at once over fresh documents: some capture a document while others fuse it.
+    At ratio 1 a fused prefill is the normal one, so every output must equal its one-by-one run
+    however the captures interleave."""
+    url = auto_server.url
+    fresh = corpus[8:20]
+    rng = random.Random(5)
+    jobs = []
+    for i in range(48):
+        docs = rng.sample(fresh, 3)
+        custom = (
+            {"fusion_selector": "full", "fusion_recompute_ratio": 1.0}
+            if i % 2 == 0
+            else {"fusion": False}
+        )
+        jobs.append((docs, f"What is document {1 + i % 3} about?", custom))
+    before = _stats(url)
+    with ThreadPoolExecutor(max_workers=48) as pool:
+        together = list(pool.map(lambda job: _answer(url, *job), jobs))
+    after = _stats(url)
+    assert after["auto_chunks"]["captured"] > before["auto_chunks"]["captured"]
+    assert after["fusion"].get("fused_requests", 0) > before["fusion"].get("fused_requests", 0)
+    alone = [_answer(url, *job) for job in jobs]
+    assert together == alone
+
+
+def _answer(url: str, docs: list[str], question: str, custom: dict[str, Any]) -> str:
+    return _chat(url, docs, question, **custom).choices[0].message.content
+
+
+def _generate(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = requests.post(url + "/generate", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_pathological_prompts_are_answered_and_capture_stays_bounded(
+    auto_server: AutoServer, corpus: list[str]
+) -> None:
+    """One token repeated to near the context, thousands of one-line paragraphs, documents
+    that differ by one word: answered, fused or not, and at most a piece kept per distinct
+    paragraph (benchmarks/auto_reuse_limits.py times them)."""
+    url = auto_server.url
+    before = _stats(url)["auto_chunks"]
+    (token,) = _tokenize(url, [" the"])[0][-1:]
+    body = {"input_ids": [token] * 7000, "sampling_params": {"max_new_tokens": 2}}
+    for _ in range(2):  # the second time its one distinct piece is stored
+        _generate(url, body)
+    repeated = _stats(url)["auto_chunks"]
+    assert repeated["captured"] - before["captured"] <= 1
+    lines = "\n".join(f"Line {i}: all quiet." for i in range(700))
+    _generate(url, {"text": lines, "sampling_params": {"max_new_tokens": 2}})
+    assert _stats(url)["auto_chunks"]["captured"] == repeated["captured"]  # none is a piece
+    doc = corpus[21]
+    twin = doc.replace(" the ", " a ", 1)
+    assert twin != doc
+    for docs in ([doc, twin], [twin, doc], [doc, twin]):
+        reply = _chat(url, docs, "What differs?")
+        assert reply.choices[0].message.content is not None
+    after = _stats(url)["auto_chunks"]
+    # Each paragraph of the pair kept once at most (its pieces: one per paragraph here).
+    assert after["captured"] - repeated["captured"] <= 2
+
+
+def test_capture_cap_is_counted_and_honoured(auto_server: AutoServer) -> None:
+    """More new paragraphs than the per-minute cap in one prompt: the rest are counted."""
+    url = auto_server.url
+    before = _stats(url)["auto_chunks"]
+    paragraphs = [
+        f"Note {i}: the shipment of crate {i * 7919 % 10007} left harbour {i % 13} on day "
+        f"{i % 29} with {i * 31 % 97} barrels of oil, {i * 17 % 89} of wine and one clerk."
+        for i in range(100)
+    ]
+    body = {"text": "\n\n".join(paragraphs), "sampling_params": {"max_new_tokens": 1}}
+    assert requests.post(url + "/generate", json=body, timeout=600).status_code == 200
+    after = _stats(url)["auto_chunks"]
+    assert after["captured"] - before["captured"] <= PER_MINUTE
+    assert after["over_cap"] > before["over_cap"]
+    metrics = requests.get(url + "/metrics", timeout=30).text
+    assert "sglang:hicache_ext_auto_chunks_total{" in metrics and 'outcome="over_cap"' in metrics
+
+
+def test_restart_keeps_captured_documents(auto_server: AutoServer, corpus: list[str]) -> None:
+    """What the disk tier holds of captured documents is found again after a restart: the
+    first prompt after it reuses them."""
+    listed = {
+        c["id"] for c in requests.get(auto_server.url + "/chunks", timeout=30).json()["chunks"]
+    }
+    assert listed
+    auto_server.restart()
+    again = {
+        c["id"] for c in requests.get(auto_server.url + "/chunks", timeout=30).json()["chunks"]
+    }
+    assert listed <= again
+    reply = _chat(auto_server.url, [corpus[2], corpus[0]], "Which came first?")
+    assert reply.usage.prompt_tokens_details.cached_tokens > 100
