@@ -6,6 +6,8 @@ chunk; tokens carrying much of that low-frequency energy are the ones worth reco
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 DEFAULT_ALPHA = 0.5
@@ -31,3 +33,19 @@ def frequency_scores(
     k_norm = low_pass(keys, alpha).flatten(1).norm(dim=-1)
     v_norm = low_pass(values, alpha).flatten(1).norm(dim=-1)
     return 0.5 * (k_norm + v_norm)
+
+
+def layer_frequency_scores(
+    keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], alpha: float = DEFAULT_ALPHA
+) -> torch.Tensor:
+    """`frequency_scores` of every layer ([L, N]) in one FFT over the stacked layers: a chunk
+    kept from traffic is scored on the scheduler thread, where one call per layer adds up."""
+    if len(keys) != len(values) or not keys:
+        raise ValueError("keys and values must have the same, non-zero number of layers")
+    k = torch.stack([layer.float() for layer in keys], dim=1)  # [N, L, H, D]
+    v = torch.stack([layer.float() for layer in values], dim=1)
+    if k.shape[0] == 0 or k.shape[0] != v.shape[0]:
+        raise ValueError("keys and values must have the same, non-zero number of tokens")
+    k_norm = low_pass(k, alpha).flatten(2).norm(dim=-1)
+    v_norm = low_pass(v, alpha).flatten(2).norm(dim=-1)
+    return (0.5 * (k_norm + v_norm)).T.contiguous()

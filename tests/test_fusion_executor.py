@@ -15,7 +15,7 @@ from sglang_hicache_ext.fusion.executor import (
     fused_prefill_batch,
     generate_greedy,
 )
-from sglang_hicache_ext.fusion.frequency import frequency_scores, low_pass
+from sglang_hicache_ext.fusion.frequency import frequency_scores, layer_frequency_scores, low_pass
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.rope import apply_rope
@@ -343,3 +343,12 @@ def test_batch_equals_one_by_one(models: dict, family: str) -> None:
             assert together.kv is not None
             for mine, theirs in zip(together.kv.keys, alone.kv.keys, strict=True):
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=BATCH_ATOL)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_scores_of_every_layer_at_once_equal_the_per_layer_scores(tokens: int) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    keys = [torch.randn(tokens, 2, 8, generator=generator).bfloat16() for _ in range(5)]
+    values = [torch.randn(tokens, 2, 8, generator=generator).bfloat16() for _ in range(5)]
+    per_layer = torch.stack([frequency_scores(k, v) for k, v in zip(keys, values, strict=True)])
+    torch.testing.assert_close(layer_frequency_scores(keys, values), per_layer)

@@ -234,10 +234,11 @@ def test_pathological_prompts_are_answered_and_capture_stays_bounded(
     before = _stats(url)["auto_chunks"]
     (token,) = _tokenize(url, [" the"])[0][-1:]
     body = {"input_ids": [token] * 7000, "sampling_params": {"max_new_tokens": 2}}
-    for _ in range(2):  # the second time its one distinct piece is stored
+    for _ in range(2):  # the second time its pieces are stored already
         _generate(url, body)
     repeated = _stats(url)["auto_chunks"]
-    assert repeated["captured"] - before["captured"] <= 1
+    # Identical content is cut identically: one distinct piece, and the tail joined to the last.
+    assert repeated["captured"] - before["captured"] <= 2
     lines = "\n".join(f"Line {i}: all quiet." for i in range(700))
     _generate(url, {"text": lines, "sampling_params": {"max_new_tokens": 2}})
     assert _stats(url)["auto_chunks"]["captured"] == repeated["captured"]  # none is a piece

@@ -22,18 +22,16 @@ import logging
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, pre_rope_rows
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
-
-if TYPE_CHECKING:
-    from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +62,7 @@ class AutoCapture:
         self.codec = codec
         self.counts: Counter[str] = Counter({outcome: 0 for outcome in OUTCOMES})
         self.tokens_captured = 0
+        self.seconds = 0.0  # on the scheduler thread, cutting, matching and keeping
         self._clock = clock
         self._recent: deque[float] = deque()
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -98,40 +97,63 @@ class AutoCapture:
         computed. Returns how many pieces were kept."""
         if rid in self._seen:
             return 0
+        began = time.perf_counter()
         self._seen[rid] = None
         if len(self._seen) > _SEEN_REQUESTS:
             self._seen.popitem(last=False)
+        tokens = list(tokens)
         pieces = document_segments(tokens, self.breaks, self.rule)
         if not pieces:
             return 0
         covered = np.zeros(len(tokens), dtype=bool)
         for match in self.registry.index.find(tokens):
             covered[match.prompt_start : match.prompt_end] = True
-        kept = 0
+        todo: list[tuple[int, int]] = []
+        todo_ids: set[str] = set()
         for start, end in pieces:
-            piece = [int(t) for t in tokens[start:end]]
-            chunk_id = chunk_hash(piece)
+            chunk_id = chunk_hash(tokens[start:end])
             share = float(covered[start:end].mean())
-            # Stored already: the same piece earlier in this prompt, or a chunk the index
-            # cannot match (its anchors are too common, e.g. one token repeated).
-            if share >= _COVERED or chunk_id in self.registry.store:
-                outcome = "covered"
+            # Stored already, or earlier in this prompt: also a chunk the index cannot match
+            # (its anchors are too common, e.g. one token repeated).
+            if share >= _COVERED or chunk_id in todo_ids or chunk_id in self.registry.store:
+                self._count("covered", end - start)
             elif fused and share > 0:
-                outcome = "not_computed"
+                self._count("not_computed", end - start)
             elif not self._take_slot():
-                outcome = "over_cap"
+                self._count("over_cap", end - start)
             else:
-                stored = self.registry.capture(
-                    chunk_id,
-                    piece,
-                    kv_pool,
-                    slots[start:end].to(torch.long),
-                    self.codec,
-                    tuple(int(t) for t in tokens[:start]),
-                )
-                outcome = "captured" if stored else "failed"
-            self._count(outcome, end - start)
-            kept += outcome == "captured"
+                todo.append((start, end))
+                todo_ids.add(chunk_id)
+        kept = self._keep(tokens, todo, kv_pool, slots) if todo else 0
+        self.seconds += time.perf_counter() - began
+        return kept
+
+    def _keep(
+        self,
+        tokens: Sequence[int],
+        spans: list[tuple[int, int]],
+        kv_pool: Any,
+        slots: torch.Tensor,
+    ) -> int:
+        """Every piece's rows in one gather per layer (the scheduler waits for this)."""
+        index = torch.cat([torch.arange(s, e) for s, e in spans]).to(slots.device)
+        keys, values = pre_rope_rows(
+            kv_pool, slots[index].to(torch.long), index, self.registry.rope
+        )
+        offset = kept = 0
+        for start, end in spans:
+            rows = slice(offset, offset + end - start)
+            stored = self.registry.store_rows(
+                [int(t) for t in tokens[start:end]],
+                [k[rows] for k in keys],
+                [v[rows] for v in values],
+                self.codec,
+                tuple(int(t) for t in tokens[:start]),
+                quiet=True,
+            )
+            self._count("captured" if stored else "failed", end - start)
+            kept += stored
+            offset += end - start
         return kept
 
     def _take_slot(self) -> bool:
@@ -161,6 +183,7 @@ class AutoCapture:
         return {
             **self.counts,
             "tokens_captured": self.tokens_captured,
+            "seconds": round(self.seconds, 3),
             "per_minute": self.per_minute,
             "min_tokens": self.rule.min_tokens,
             "max_tokens": self.rule.max_tokens,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
-from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, frequency_scores
+from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, layer_frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
@@ -83,6 +83,18 @@ def summarize(chunk: HostChunk) -> ChunkSummary:
 def _prefix_info(prefix: tuple[str, int] | None) -> dict[str, Any]:
     prefix_value, tokens = prefix if prefix is not None else (None, None)
     return {"prefix_id": prefix_value, "prefix_tokens": tokens}
+
+
+def pre_rope_rows(
+    kv_pool: Any, slots: torch.Tensor, positions: torch.Tensor, rope: RopeSpec
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, the K rows at `slots` of SGLang's KV pool rotated back to pre-RoPE from
+    `positions`, and the V rows, on the CPU."""
+    keys, values = [], []
+    for layer in range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num):
+        keys.append(unrotate(kv_pool.get_key_buffer(layer)[slots], positions, rope).cpu())
+        values.append(kv_pool.get_value_buffer(layer)[slots].cpu())
+    return keys, values
 
 
 class ChunkRegistry:
@@ -221,27 +233,34 @@ class ChunkRegistry:
             return True
         start = len(prefix)
         positions = torch.arange(start, start + len(token_ids), device=slots.device)
-        keys, values = [], []
-        for layer in range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num):
-            post_rope = kv_pool.get_key_buffer(layer)[slots]
-            keys.append(unrotate(post_rope, positions, self._rope).cpu())
-            values.append(kv_pool.get_value_buffer(layer)[slots].cpu())
-        scores = torch.stack(
-            [
-                frequency_scores(k.float(), v.float(), self._alpha)
-                for k, v in zip(keys, values, strict=True)
-            ]
-        )
+        keys, values = pre_rope_rows(kv_pool, slots, positions, self._rope)
+        return self.store_rows(token_ids, keys, values, codec, prefix)
+
+    @property
+    def rope(self) -> RopeSpec:
+        return self._rope
+
+    def store_rows(
+        self,
+        token_ids: list[int],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        codec: str | None = None,
+        prefix: tuple[int, ...] = (),
+        quiet: bool = False,
+    ) -> bool:
+        """Store the chunk of these pre-RoPE rows, computed after `prefix`; `quiet`: logged at
+        debug level (chunks kept from traffic come by the hundred per minute)."""
         chunk = PrecomputedChunk(
             token_ids=tuple(token_ids),
             keys=tuple(keys),
             values=tuple(values),
-            freq_scores=scores,
+            freq_scores=layer_frequency_scores(keys, values, self._alpha),
             alpha=self._alpha,
         )
-        stored = self.add(chunk, codec)
+        stored = self.add(chunk, codec, quiet)
         if stored:
-            self._prefixes[chunk_id] = (prefix_id(prefix), start)
+            self._prefixes[chunk.content_hash] = (prefix_id(prefix), len(prefix))
         return stored
 
     def prefix_of(self, chunk_id: str) -> tuple[str, int] | None:
@@ -249,7 +268,7 @@ class ChunkRegistry:
         (restored from disk, found in the shared tier, or added in process)."""
         return self._prefixes.get(chunk_id)
 
-    def add(self, chunk: PrecomputedChunk, codec: str | None = None) -> bool:
+    def add(self, chunk: PrecomputedChunk, codec: str | None = None, quiet: bool = False) -> bool:
         """Store and index a precomputed chunk (written through to disk when there is one;
         compressed by `codec` on every tier when given); False (logged, counted) when no tier
         could take it."""
@@ -265,7 +284,8 @@ class ChunkRegistry:
         summary = self._summaries[chunk_id] = self.store.summary(chunk_id) or summarize(chunk)
         self.generation += 1
         self.report_stored_bytes()
-        logger.info(
+        logger.log(
+            logging.DEBUG if quiet else logging.INFO,
             "chunk %s registered: %d tokens, %d bytes (%s) in %s",
             chunk_id[:12],
             chunk.num_tokens,
