@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import torch
 
 DEFAULT_ALPHA = 0.5
+# Up to this many tokens `layer_frequency_scores` low-passes by a matrix product (n^2 entries).
+_PROJECTION_MAX_TOKENS = 1024
 
 
 def low_pass(x: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
@@ -46,6 +48,15 @@ def layer_frequency_scores(
     v = torch.stack([layer.float() for layer in values], dim=1)
     if k.shape[0] == 0 or k.shape[0] != v.shape[0]:
         raise ValueError("keys and values must have the same, non-zero number of tokens")
-    k_norm = low_pass(k, alpha).flatten(2).norm(dim=-1)
-    v_norm = low_pass(v, alpha).flatten(2).norm(dim=-1)
+    n = k.shape[0]
+    if n <= _PROJECTION_MAX_TOKENS:
+        # The low-pass is linear along the tokens: one n x n matrix (the low-passed identity)
+        # times every column costs far less than an FFT per column for short chunks.
+        projection = low_pass(torch.eye(n), alpha)
+        k_low = (projection @ k.reshape(n, -1)).reshape(k.shape)
+        v_low = (projection @ v.reshape(n, -1)).reshape(v.shape)
+    else:
+        k_low, v_low = low_pass(k, alpha), low_pass(v, alpha)
+    k_norm = k_low.flatten(2).norm(dim=-1)
+    v_norm = v_low.flatten(2).norm(dim=-1)
     return (0.5 * (k_norm + v_norm)).T.contiguous()

@@ -137,8 +137,8 @@ def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
     for layer, tensors in enumerate(zip(chunk.keys, chunk.values, strict=True)):
         for side, tensor in enumerate(tensors):
             data = tensor_bytes(tensor.to(dtype))
-            row = len(data) // n
-            crcs[side, layer] = [zlib.crc32(data[i * row : (i + 1) * row]) for i in range(n)]
+            row, view = len(data) // n, memoryview(data)  # slices of a view copy nothing
+            crcs[side, layer] = [zlib.crc32(view[i * row : (i + 1) * row]) for i in range(n)]
             layers.append(data)
     table = crcs.tobytes()
     scores = tensor_bytes(chunk.freq_scores.to(torch.float32))
