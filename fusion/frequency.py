@@ -59,4 +59,7 @@ def layer_frequency_scores(
         k_low, v_low = low_pass(k, alpha), low_pass(v, alpha)
     k_norm = k_low.flatten(2).norm(dim=-1)
     v_norm = v_low.flatten(2).norm(dim=-1)
-    return (0.5 * (k_norm + v_norm)).T.contiguous()
+    scores = 0.5 * (k_norm + v_norm)  # [N, L]
+    # A copy with the [L, N] row-major strides stored files read (`.T.contiguous()` keeps odd
+    # strides on a one-token chunk, whose size-1 dimension counts as contiguous).
+    return scores.new_empty((scores.shape[1], n)).copy_(scores.T)

@@ -20,6 +20,7 @@ from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.rope import apply_rope
 from sglang_hicache_ext.fusion.selectors import A3Selector, SelectionContext, make_selector
+from sglang_hicache_ext.tiers.chunk_file import tensor_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -351,4 +352,7 @@ def test_scores_of_every_layer_at_once_equal_the_per_layer_scores(tokens: int) -
     keys = [torch.randn(tokens, 2, 8, generator=generator).bfloat16() for _ in range(5)]
     values = [torch.randn(tokens, 2, 8, generator=generator).bfloat16() for _ in range(5)]
     per_layer = torch.stack([frequency_scores(k, v) for k, v in zip(keys, values, strict=True)])
-    torch.testing.assert_close(layer_frequency_scores(keys, values), per_layer)
+    at_once = layer_frequency_scores(keys, values)
+    torch.testing.assert_close(at_once, per_layer)
+    assert at_once.stride() == per_layer.stride()  # stored files take the bytes row-major
+    assert len(tensor_bytes(at_once)) == 4 * 5 * tokens

@@ -227,13 +227,13 @@ def _generate(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_pathological_prompts_are_answered_and_capture_stays_bounded(
     auto_server: AutoServer, corpus: list[str]
 ) -> None:
-    """One token repeated to near the context, thousands of one-line paragraphs, documents
+    """One token repeated 3,000 times, thousands of one-line paragraphs, documents
     that differ by one word: answered, fused or not, and at most a piece kept per distinct
     paragraph (benchmarks/auto_reuse_limits.py times them)."""
     url = auto_server.url
     before = _stats(url)["auto_chunks"]
     (token,) = _tokenize(url, [" the"])[0][-1:]
-    body = {"input_ids": [token] * 7000, "sampling_params": {"max_new_tokens": 2}}
+    body = {"input_ids": [token] * 3000, "sampling_params": {"max_new_tokens": 2}}
     for _ in range(2):  # the second time its pieces are stored already
         _generate(url, body)
     repeated = _stats(url)["auto_chunks"]

@@ -277,7 +277,8 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The raw bytes of a tensor (CPU, contiguous), as stored files hold them."""
-    return tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    # reshape(-1): one stride of 1 even where a size-1 dimension kept an odd one
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _tensor_of(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
