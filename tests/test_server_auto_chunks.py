@@ -227,7 +227,7 @@ def _generate(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_pathological_prompts_are_answered_and_capture_stays_bounded(
     auto_server: AutoServer, corpus: list[str]
 ) -> None:
-    """One token repeated 3,000 times, thousands of one-line paragraphs, documents
+    """One token repeated 3,000 times, 700 one-line paragraphs, documents
     that differ by one word: answered, fused or not, and at most a piece kept per distinct
     paragraph (benchmarks/auto_reuse_limits.py times them)."""
     url = auto_server.url
