@@ -130,7 +130,9 @@ def oracle_scores(adapter, segments) -> torch.Tensor:
 
     chunk = build_layout(segments).chunk_positions
     total = torch.zeros(chunk.numel())
-    for kf, vf, kr, vr in zip(full.kv.keys, full.kv.values, reuse.kv.keys, reuse.kv.values, strict=True):
+    for kf, vf, kr, vr in zip(
+        full.kv.keys, full.kv.values, reuse.kv.keys, reuse.kv.values, strict=True
+    ):
         d = (kf[chunk] - kr[chunk]).flatten(1).norm(dim=-1) + (vf[chunk] - vr[chunk]).flatten(
             1
         ).norm(dim=-1)
