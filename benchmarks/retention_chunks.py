@@ -7,6 +7,7 @@ tier's codec. Every set is matched to the prompt the way the server matches chun
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -107,13 +108,8 @@ def _prompt_pieces(
     return chunks
 
 
-_BREAKS: dict[int, frozenset[int]] = {}
-
-
-def _breaks(tokenizer: Any) -> frozenset[int]:
-    if id(tokenizer) not in _BREAKS:
-        _BREAKS[id(tokenizer)] = break_token_ids(tokenizer)
-    return _BREAKS[id(tokenizer)]
+# The tokenizer's break tokens, found once per tokenizer (a decode of the whole vocabulary).
+_breaks = functools.lru_cache(maxsize=2)(break_token_ids)
 
 
 def through_codec(chunk: PrecomputedChunk, spec: str) -> PrecomputedChunk:

@@ -3,10 +3,6 @@ launcher's: `sglang_ext/server/launcher.py`)."""
 
 from __future__ import annotations
 
-from sglang_hicache_ext.sglang_ext.server.launcher import group_rss_bytes, server_process_group
-
-__all__ = ["group_rss_bytes", "server_process_group", "tcp_states_on_port"]
-
 # /proc/net/tcp state codes
 TCP_LISTEN = "0A"
 TCP_TIME_WAIT = "06"

@@ -21,10 +21,11 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     free_port,
     generate,
+    group_rss_bytes,
     running_server,
+    server_process_group,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import EXTRA_CONFIG_KEY
-from tests.server_processes import group_rss_bytes, server_process_group
 
 pytestmark = pytest.mark.server
 

@@ -16,10 +16,15 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    free_port,
+    running_server,
+    server_process_group,
+)
 from sglang_hicache_ext.tiers.chunk_forms import read_header
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
-from tests.server_processes import TCP_LISTEN, server_process_group, tcp_states_on_port
+from tests.server_processes import TCP_LISTEN, tcp_states_on_port
 
 pytestmark = pytest.mark.server
 
