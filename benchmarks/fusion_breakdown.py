@@ -317,6 +317,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--modes", default="normal,a3,epic,reuse")
+    parser.add_argument("--min-docs", type=int, default=6)
+    parser.add_argument("--min-tokens", type=int, default=3000, help="prompt length at least")
     parser.add_argument("--base", default=None, help="git revision the @base modes run")
     parser.add_argument("--executor", type=Path, default=None, help="what @patched modes run")
     parser.add_argument(
@@ -334,7 +336,7 @@ def main() -> int:
         raise SystemExit("--modes must start with normal (the ratios' denominator)")
     variants = build_variants(args.base, args.executor, Path(tempfile.mkdtemp(prefix="breakdown-")))
     tokenizer, adapter = load_smollm2(args.threads)
-    prompts = build_prompts(args.prompts, 6, 3000, tokenizer)
+    prompts = build_prompts(args.prompts, args.min_docs, args.min_tokens, tokenizer)
     timer = StageTimer(time.thread_time if args.clock == "cpu" else time.perf_counter)
     per_prompt = []
     load_before = os.getloadavg()

@@ -22,12 +22,8 @@ from sglang_hicache_ext.fusion.decode_eviction import (
     keep_whole_mask,
     kept_positions,
 )
-from sglang_hicache_ext.fusion.executor import (
-    FusionJob,
-    KVCache,
-    decode_step,
-    fused_prefill_batch,
-)
+from sglang_hicache_ext.fusion.decoding import decode_step
+from sglang_hicache_ext.fusion.executor import FusionJob, KVCache, fused_prefill_batch
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector
 

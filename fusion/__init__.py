@@ -12,14 +12,8 @@ from sglang_hicache_ext.fusion.attention import (
     position_causal_attention,
 )
 from sglang_hicache_ext.fusion.chunk import ModelShape, PrecomputedChunk, chunk_hash
-from sglang_hicache_ext.fusion.executor import (
-    FusionResult,
-    GenerationResult,
-    KVCache,
-    decode_step,
-    fused_prefill,
-    generate_greedy,
-)
+from sglang_hicache_ext.fusion.decoding import GenerationResult, decode_step, generate_greedy
+from sglang_hicache_ext.fusion.executor import FusionResult, KVCache, fused_prefill
 from sglang_hicache_ext.fusion.frequency import frequency_scores, low_pass
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, RequestLayout, TextSegment, build_layout

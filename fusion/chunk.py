@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -156,5 +157,6 @@ def check_geometry(num_layers: int, kv_heads: int, head_dim: int, shape: ModelSh
 
 
 def chunk_hash(token_ids: tuple[int, ...] | list[int]) -> str:
-    data = b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids)
+    # Little-endian uint32 per token; numpy refuses ids outside uint32 (OverflowError).
+    data = np.asarray(token_ids, dtype="<u4").tobytes()
     return hashlib.sha256(data).hexdigest()

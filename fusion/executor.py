@@ -55,15 +55,6 @@ class FusionResult:
     window_scores: torch.Tensor | None = None
 
 
-@dataclass(frozen=True, eq=False)
-class GenerationResult:
-    """Greedy continuation after a fused prefill; first_logits are the prefill's logits."""
-
-    token_ids: tuple[int, ...]
-    first_logits: torch.Tensor
-    prefill: FusionResult
-
-
 @torch.inference_mode()
 def fused_prefill(
     adapter: ModelAdapter,
@@ -134,8 +125,13 @@ def _scoring_pass(
         )
         for state in states
     ]
-    for state in states:
+    for state, scoring in zip(states, passes, strict=True):
         state.loader.retain = True
+        if state.job.return_kv and state.narrow_layer is None:
+            # The prefill reuses the same rows at these layers: it takes each layer's assembled
+            # K/V and writes only the rows it computes (no second load and re-rotation). Kept
+            # only when the prefill returns its KV, which these tensors become: no higher peak.
+            scoring.kv_out = state.kv_in = {}
     try:
         _walk_layers(adapter, passes, attention_backend, max(max(s.scoring_layers) for s in states))
     finally:
@@ -228,11 +224,19 @@ def _attend_request(
         keep = state.narrow(state.selected)
         state.prefetch(layer + 1)  # the selection is known: start reading what follows
         q, hidden = q[keep], hidden[keep]
+    elif (handed := state.kv_in.pop(layer, None)) is not None:
+        # The scoring pass assembled this layer from the same prefix and reused rows: only
+        # the rows computed now differ (every one of them is overwritten).
+        layer_k, layer_v = handed
+        layer_k[state.active_idx] = k
+        layer_v[state.active_idx] = v
     elif layer != state.check_layer:
         reused = _load_reused(adapter, state, layer, state.plan)
         layer_k, layer_v = _assemble(
             reused, k, v, state.active_idx, state.num_tokens, prefix_k, prefix_v
         )
+    if state.kv_out is not None:
+        state.kv_out[layer] = (layer_k, layer_v)
     if layer in state.job.record_layers:
         state.record_question_attention(q, layer_k, adapter.attn_scale)
     attn = attend(
@@ -271,58 +275,6 @@ def _after(prefix: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
     return rows if prefix is None else torch.cat((prefix, rows))
 
 
-@torch.inference_mode()
-def decode_step(
-    adapter: ModelAdapter, kv: KVCache, token_id: int, attention_backend: str = "torch"
-) -> tuple[torch.Tensor, KVCache]:
-    """One token at position kv.position over `kv`; returns float32 logits [vocab] and new KV."""
-    device = adapter.device
-    pos = torch.tensor([kv.position], device=device)
-    # The new token sees every key: after an eviction the kept rows carry no positions of
-    # their own, so they are given 0.. (all below the query's).
-    key_positions = torch.arange(kv.num_tokens + 1, device=device)
-    hidden = adapter.embed(torch.tensor([token_id], device=device))
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    for layer in range(adapter.shape.num_layers):
-        q, k, v = adapter.attention_inputs(layer, hidden)
-        q, k = adapter.rotate(q, pos), adapter.rotate(k, pos)
-        layer_k = torch.cat((kv.keys[layer], k.to(kv.keys[layer].dtype)))
-        layer_v = torch.cat((kv.values[layer], v.to(kv.values[layer].dtype)))
-        attn = attend(
-            q, layer_k, layer_v, pos, key_positions, adapter.attn_scale, attention_backend
-        )
-        hidden = adapter.attention_output(layer, hidden, attn)
-        keys.append(layer_k)
-        values.append(layer_v)
-    following = None if kv.next_position is None else kv.next_position + 1
-    return adapter.logits(hidden)[0].float(), KVCache(tuple(keys), tuple(values), following)
-
-
-def generate_greedy(
-    adapter: ModelAdapter,
-    segments: Sequence[Segment],
-    selector: Selector,
-    max_new_tokens: int,
-    attention_backend: str = "torch",
-) -> GenerationResult:
-    """Fused prefill, then plain greedy decoding over the fused KV."""
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    prefill = fused_prefill(
-        adapter, segments, selector, return_kv=True, attention_backend=attention_backend
-    )
-    assert prefill.kv is not None
-    kv = prefill.kv
-    token = int(prefill.logits.argmax())
-    tokens = [token]
-    for _ in range(max_new_tokens - 1):
-        logits, kv = decode_step(adapter, kv, token, attention_backend)
-        token = int(logits.argmax())
-        tokens.append(token)
-    return GenerationResult(tuple(tokens), prefill.logits, prefill)
-
-
 class _Reused(NamedTuple):
     """Stored chunk KV of one layer for some tokens: keys rotated to their global positions."""
 
@@ -336,19 +288,18 @@ def _load_reused(
 ) -> _Reused:
     """Gather only the planned rows (a sparse load when chunks live in another tier)."""
     device, dtype = adapter.device, adapter.dtype
-    keys, values, positions = [], [], []
+    keys, values = [], []
     for index, (span, rows) in enumerate(zip(state.layout.spans, plan, strict=True)):
         if rows.numel() == 0:
             continue
         stored_k, stored_v = state.loader.get(layer, index, span.chunk, rows)
         keys.append(stored_k.to(device=device, dtype=dtype))
         values.append(stored_v.to(device=device, dtype=dtype))
-        positions.append(rows.to(device) + span.start)
     if not keys:
         shape = (0, adapter.shape.num_kv_heads, adapter.shape.head_dim)
         empty = torch.empty(shape, device=device, dtype=dtype)
         return _Reused(torch.empty(0, dtype=torch.long, device=device), empty, empty)
-    global_positions = torch.cat(positions)
+    global_positions = state.plan_positions(plan)
     rotated = adapter.rotate(torch.cat(keys), global_positions)
     return _Reused(global_positions, rotated, torch.cat(values))
 
@@ -383,10 +334,7 @@ def _assemble(
 __all__ = [
     "FusionJob",
     "FusionResult",
-    "GenerationResult",
     "KVCache",
-    "decode_step",
     "fused_prefill",
     "fused_prefill_batch",
-    "generate_greedy",
 ]

@@ -44,8 +44,17 @@ def layer_frequency_scores(
     kept from traffic is scored on the scheduler thread, where one call per layer adds up."""
     if len(keys) != len(values) or not keys:
         raise ValueError("keys and values must have the same, non-zero number of layers")
-    k = torch.stack([layer.float() for layer in keys], dim=1)  # [N, L, H, D]
-    v = torch.stack([layer.float() for layer in values], dim=1)
+    return stacked_frequency_scores(
+        torch.stack(list(keys), dim=1), torch.stack(list(values), dim=1), alpha
+    )
+
+
+def stacked_frequency_scores(
+    k: torch.Tensor, v: torch.Tensor, alpha: float = DEFAULT_ALPHA
+) -> torch.Tensor:
+    """`layer_frequency_scores` of rows already stacked as [N, L, H, D] (a capture stacks the
+    rows of all its pieces once and scores each piece's slice)."""
+    k, v = k.float(), v.float()
     if k.shape[0] == 0 or k.shape[0] != v.shape[0]:
         raise ValueError("keys and values must have the same, non-zero number of tokens")
     n = k.shape[0]

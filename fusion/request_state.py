@@ -126,6 +126,9 @@ class RequestState:
         self.num_layers = adapter.shape.num_layers
         self.loader = LayerLoader(job.overlap_loads) if loader is None else loader
         self.narrowed = False
+        # A scoring pass's assembled K/V per layer (`kv_out`), which the prefill takes (`kv_in`).
+        self.kv_out: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kv_in: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.check_layer is None and not self.scoring_layers:
             self.selected = self.selector.select(SelectionContext(self.layout))
         if self.narrow_layer is None:
@@ -178,6 +181,18 @@ class RequestState:
             prefix.values[layer].to(device=self.device, dtype=dtype),
         )
 
+    def plan_positions(self, plan: list[torch.Tensor]) -> torch.Tensor:
+        """Global positions of a plan's rows, in load order; the same tensor at every layer
+        for the request's plan (so RoPE's tables for it are computed once)."""
+        if plan is self.plan and self._plan_positions is not None:
+            return self._plan_positions
+        positions = torch.cat(
+            [rows + span.start for span, rows in zip(self.layout.spans, plan, strict=True)]
+        ).to(self.device)
+        if plan is self.plan:
+            self._plan_positions = positions
+        return positions
+
     def every_row(self) -> list[torch.Tensor]:
         return [torch.arange(span.length) for span in self.layout.spans]
 
@@ -185,6 +200,8 @@ class RequestState:
         """Per chunk occurrence, the stored rows `layer` reads (None: not known yet). Up to the
         narrowing layer every token is computed (nothing to read) except at the check layer,
         where every row is read for the selector; after it, the rows not selected."""
+        if layer in self.kv_in:
+            return [rows[:0] for rows in self.plan]  # handed over by the scoring pass
         if self.narrow_layer is None:
             return self.plan
         if layer == self.check_layer:
@@ -216,6 +233,7 @@ class RequestState:
     def _set_active(self, active: torch.Tensor) -> None:
         self.active_idx = torch.nonzero(active).flatten().to(self.device)
         self.q_pos = self.positions[self.active_idx]
+        self._plan_positions: torch.Tensor | None = None
         # Per chunk occurrence, the local rows to load from the store (those not computed).
         self.plan = [
             torch.nonzero(~active[span.start : span.start + span.length]).flatten()

@@ -8,6 +8,8 @@ the key a forward at that position would have produced.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -82,13 +84,48 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torc
     rot = spec.rotary_dim
     if rot > x.shape[-1]:
         raise ValueError(f"rotary dim {rot} exceeds head dim {x.shape[-1]}")
-    cos, sin = rope_cos_sin(spec, positions, x.dtype)
+    cos, sin = _tables.get(spec, positions, x.dtype)
     cos, sin = cos[:, None, :], sin[:, None, :]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     rotated = x_rot * cos + _rotate(x_rot, spec.layout) * sin
     if x_pass.shape[-1] == 0:
         return rotated
     return torch.cat((rotated, x_pass), dim=-1)
+
+
+class _RecentTables:
+    """cos/sin tables of the last few positions tensors, found by identity.
+
+    A fused prefill rotates the same positions tensor at every layer (its computed rows' q and
+    k, the reused rows of a plan), so the tables are computed once per request instead of per
+    layer and tensor. Identity, not values, tells a hit: comparing values would cost a device
+    sync per call on a GPU (and inference tensors keep no version counter). So a positions tensor
+    must not be changed in place once rotated by (none is: they are built per request or plan).
+    An entry dies with its tensor.
+    """
+
+    _SIZE = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[tuple[Any, ...]] = []
+
+    def get(
+        self, spec: RopeSpec, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (spec.inv_freq, spec.attention_scaling, spec.layout, dtype)
+        with self._lock:
+            self._entries = [e for e in self._entries if e[0]() is not None]
+            for entry in self._entries:
+                if entry[0]() is positions and entry[1][0] is key[0] and entry[1][1:] == key[1:]:
+                    return entry[2]
+        tables = rope_cos_sin(spec, positions, dtype)
+        with self._lock:
+            self._entries = [(weakref.ref(positions), key, tables), *self._entries][: self._SIZE]
+        return tables
+
+
+_tables = _RecentTables()
 
 
 def _rotate(x: torch.Tensor, layout: RopeLayout) -> torch.Tensor:

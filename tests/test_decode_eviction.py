@@ -15,7 +15,8 @@ from sglang_hicache_ext.fusion.decode_eviction import (
     kept_positions,
     window_scores,
 )
-from sglang_hicache_ext.fusion.executor import decode_step, fused_prefill
+from sglang_hicache_ext.fusion.decoding import decode_step
+from sglang_hicache_ext.fusion.executor import fused_prefill
 from sglang_hicache_ext.fusion.selectors import make_selector
 from tests.test_fusion_executor import _rag_request
 

@@ -8,12 +8,12 @@ import torch
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.attention import attend, position_causal_attention
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.decoding import generate_greedy
 from sglang_hicache_ext.fusion.executor import (
     FusionJob,
     KVCache,
     fused_prefill,
     fused_prefill_batch,
-    generate_greedy,
 )
 from sglang_hicache_ext.fusion.frequency import frequency_scores, layer_frequency_scores, low_pass
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
@@ -312,6 +312,33 @@ def test_outputs_from_are_computed_at_every_layer(models: dict, family: str) -> 
             exact_prefix=_hf_prefix(adapter, ids[:20]),
             outputs_from=10,
         )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fresh_layers", [0, 2])
+def test_prefill_taking_the_scoring_pass_layers_equals_loading_them(
+    models: dict, family: str, fresh_layers: int
+) -> None:
+    """A prefill that returns its KV takes the scoring pass's assembled layers and writes only
+    its computed rows (with no fresh layers); one that does not loads and assembles every layer
+    itself."""
+    adapter = models[family]
+    segments, _ = _rag_request(adapter)
+    selector = make_selector("question_attention", 0.3, fresh_layers=fresh_layers)
+    handed = fused_prefill(adapter, segments, selector, return_kv=True)
+    loaded = fused_prefill(adapter, segments, selector)
+    assert torch.equal(handed.selected, loaded.selected)
+    torch.testing.assert_close(handed.logits, loaded.logits, rtol=0, atol=0)
+    # After the fresh layers, the rows not recomputed are the stored ones at their positions.
+    assert handed.kv is not None
+    for span in build_layout(segments).spans:
+        positions = torch.arange(span.start, span.start + span.length)
+        reused = ~torch.isin(positions, handed.selected)
+        assert reused.any()
+        for layer in range(fresh_layers, adapter.shape.num_layers):
+            expected = apply_rope(span.chunk.keys[layer], positions, adapter.rope_spec)
+            keys = handed.kv.keys[layer]
+            torch.testing.assert_close(keys[positions[reused]], expected[reused], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -114,3 +114,34 @@ def test_bad_rope_inputs_raise() -> None:
         apply_rope(torch.randn(3, 1, 8), torch.arange(4), RopeSpec(inv_freq=torch.ones(4)))
     with pytest.raises(ValueError, match="exceeds head dim"):
         apply_rope(torch.randn(3, 1, 4), torch.arange(3), RopeSpec(inv_freq=torch.ones(4)))
+
+
+class _Pool:
+    """The part of SGLang's KV pool a capture reads: per-layer buffers of rotated keys."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.start_layer, self.layer_num = 0, len(keys)
+        self.keys, self.values = keys, values
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.keys[layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.values[layer]
+
+
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+def test_pre_rope_rows_undo_the_rotation_of_every_layer_at_once(layout: str) -> None:
+    from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
+
+    torch.manual_seed(0)
+    spec = RopeSpec(inv_freq=1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), layout=layout)
+    raw = [torch.randn(40, 2, 16) for _ in range(3)]
+    positions = torch.arange(40) + 7
+    pool = _Pool([apply_rope(k, positions, spec) for k in raw], [torch.randn(40, 2, 16)] * 3)
+    slots = torch.tensor([3, 9, 10, 11, 30])
+    keys, values = pre_rope_rows(pool, slots, positions[slots], spec)
+    for layer in range(3):
+        torch.testing.assert_close(keys[layer], raw[layer][slots], atol=1e-5, rtol=1e-5)
+        assert keys[layer].is_contiguous()
+        assert torch.equal(values[layer], pool.values[layer][slots])

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sglang_hicache_ext.evaluation.rope_recovery import rope_recovery_errors
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_hicache_ext.fusion.executor import generate_greedy
+from sglang_hicache_ext.fusion.decoding import generate_greedy
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment
 from sglang_hicache_ext.fusion.rope import apply_rope

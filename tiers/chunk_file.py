@@ -124,11 +124,17 @@ class ChunkFileHeader:
         return self.key_offset(layer) + self.num_tokens * self.key_row_bytes
 
 
-def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
-    """(header bytes, row bytes) of the file for `chunk` stored under `key`."""
+def check_storable(chunk: ChunkLike) -> None:
+    """ValueError unless the chunk's rows have a dtype its file can hold."""
     dtype = chunk.keys[0].dtype
     if str(dtype).removeprefix("torch.") not in _DTYPES:
         raise ValueError(f"chunk dtype {dtype} cannot be stored (float32, float16, bfloat16)")
+
+
+def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
+    """(header bytes, row bytes) of the file for `chunk` stored under `key`."""
+    check_storable(chunk)
+    dtype = chunk.keys[0].dtype
     n, heads, key_dim = chunk.keys[0].shape
     value_dim = chunk.values[0].shape[2]
     num_layers = len(chunk.keys)

@@ -28,6 +28,7 @@ from sglang_hicache_ext.tiers.chunk_file import (
     ChunkTensors,
     CorruptChunkError,
     RowSource,
+    check_storable,
     encode_chunk,
     parse_header,
     read_rows,
@@ -95,6 +96,7 @@ def stored_codec(spec: str) -> KVCodec:
 
 def encode_stored(key: str, chunk: ChunkLike, codec: KVCodec | None) -> tuple[bytes, bytes]:
     """(header bytes, rest) of `chunk` stored under `key`, dense when `codec` is None."""
+    check_storable(chunk)
     if codec is None:
         return encode_chunk(key, chunk)
     data = encode_compressed(key, chunk, codec)
@@ -104,7 +106,9 @@ def encode_stored(key: str, chunk: ChunkLike, codec: KVCodec | None) -> tuple[by
 
 def blob_of(key: str, header: bytes, rows: bytes) -> StoredBlob:
     """A compressed chunk's encoded bytes as host memory holds them."""
-    return StoredBlob(parse_stored_header(io.BytesIO(header), key, rows_follow=False), header + rows)
+    return StoredBlob(
+        parse_stored_header(io.BytesIO(header), key, rows_follow=False), header + rows
+    )
 
 
 def compressed_blob(key: str, chunk: ChunkLike, codec: KVCodec) -> StoredBlob:

@@ -30,11 +30,11 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple
+from typing import Any, Generic, NamedTuple, cast
 
 from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier, ChunkReader
 from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkLike, ChunkTensors
-from sglang_hicache_ext.tiers.chunk_forms import StoredBlob, blob_of, encode_stored
+from sglang_hicache_ext.tiers.chunk_forms import StoredBlob, blob_of, check_storable, encode_stored
 from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteStats, ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunk_store import ChunkStore, ChunkStoreStats, StoreFullError, V
 from sglang_hicache_ext.tiers.codecs.base import KVCodec
@@ -194,13 +194,17 @@ class TieredChunkStore(Generic[V]):
 
         Raises StoreFullError only when no tier took it (host memory pinned full, and no lower
         tier or every lower write failed)."""
-        header, rows = encode_stored(key, _as_chunk_like(chunk), codec)  # once for all tiers
         below = False
-        for lower in (self.disk, self.remote):  # failed writes are logged and counted there
-            if lower is not None:
-                below = lower.put_stored(key, header, rows) or below
-        if codec is not None:
-            chunk = self._rebuild(blob_of(key, header, rows))
+        # Host memory alone keeps dense rows as tensors: no file form (a checksum per row).
+        if codec is None and self.disk is None and self.remote is None:
+            check_storable(cast(ChunkLike, chunk))  # the owner's chunk type has the fields
+        else:
+            header, rows = encode_stored(key, cast(ChunkLike, chunk), codec)  # once for all
+            for lower in (self.disk, self.remote):  # failed writes are logged, counted there
+                if lower is not None:
+                    below = lower.put_stored(key, header, rows) or below
+            if codec is not None:
+                chunk = self._rebuild(blob_of(key, header, rows))
         try:
             evicted = self.host.put(key, chunk)
         except StoreFullError:
@@ -391,7 +395,3 @@ class TieredChunkStore(Generic[V]):
     def _add(self, name: str, amount: int = 1) -> None:
         with self._lock:
             self._counts[name] += amount
-
-
-def _as_chunk_like(chunk: object) -> ChunkLike:
-    return chunk  # type: ignore[return-value]  # the owner's chunk type has the fields

@@ -37,7 +37,8 @@ from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
-from sglang_hicache_ext.fusion.executor import KVCache, decode_step, fused_prefill
+from sglang_hicache_ext.fusion.decoding import decode_step
+from sglang_hicache_ext.fusion.executor import KVCache, fused_prefill
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector
 

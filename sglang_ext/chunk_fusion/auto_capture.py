@@ -28,8 +28,10 @@ import numpy as np
 import torch
 
 from sglang_hicache_ext.fusion.chunk import chunk_hash
+from sglang_hicache_ext.fusion.frequency import stacked_frequency_scores
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, pre_rope_rows
+from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
@@ -140,16 +142,23 @@ class AutoCapture:
         keys, values = pre_rope_rows(
             kv_pool, slots[index].to(torch.long), index, self.registry.rope
         )
+        # Stacked once for every piece's scores ([N, L, H, D]).
+        all_keys, all_values = torch.stack(keys, dim=1), torch.stack(values, dim=1)
         offset = kept = 0
         for start, end in spans:
             rows = slice(offset, offset + end - start)
             stored = self.registry.store_rows(
                 [int(t) for t in tokens[start:end]],
-                [k[rows] for k in keys],
-                [v[rows] for v in values],
+                # Copies: a view would keep the whole prompt's rows alive as long as any
+                # one piece of it stays stored.
+                [k[rows].clone() for k in keys],
+                [v[rows].clone() for v in values],
                 self.codec,
                 tuple(int(t) for t in tokens[:start]),
                 quiet=True,
+                freq_scores=stacked_frequency_scores(
+                    all_keys[rows], all_values[rows], self.registry.alpha
+                ),
             )
             self._count("captured" if stored else "failed", end - start)
             kept += stored

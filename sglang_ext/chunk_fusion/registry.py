@@ -25,12 +25,13 @@ import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, layer_frequency_scores
-from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
+from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
     PlacementControl,
     form_name,
 )
+from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
@@ -83,18 +84,6 @@ def summarize(chunk: HostChunk) -> ChunkSummary:
 def _prefix_info(prefix: tuple[str, int] | None) -> dict[str, Any]:
     prefix_value, tokens = prefix if prefix is not None else (None, None)
     return {"prefix_id": prefix_value, "prefix_tokens": tokens}
-
-
-def pre_rope_rows(
-    kv_pool: Any, slots: torch.Tensor, positions: torch.Tensor, rope: RopeSpec
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer, the K rows at `slots` of SGLang's KV pool rotated back to pre-RoPE from
-    `positions`, and the V rows, on the CPU."""
-    keys, values = [], []
-    for layer in range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num):
-        keys.append(unrotate(kv_pool.get_key_buffer(layer)[slots], positions, rope).cpu())
-        values.append(kv_pool.get_value_buffer(layer)[slots].cpu())
-    return keys, values
 
 
 class ChunkRegistry:
@@ -240,6 +229,10 @@ class ChunkRegistry:
     def rope(self) -> RopeSpec:
         return self._rope
 
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
     def store_rows(
         self,
         token_ids: list[int],
@@ -248,14 +241,18 @@ class ChunkRegistry:
         codec: str | None = None,
         prefix: tuple[int, ...] = (),
         quiet: bool = False,
+        freq_scores: torch.Tensor | None = None,
     ) -> bool:
         """Store the chunk of these pre-RoPE rows, computed after `prefix`; `quiet`: logged at
-        debug level (chunks kept from traffic come by the hundred per minute)."""
+        debug level (chunks kept from traffic come by the hundred per minute); `freq_scores`:
+        the rows' `layer_frequency_scores` at the registry's alpha when the caller has them."""
+        if freq_scores is None:
+            freq_scores = layer_frequency_scores(keys, values, self._alpha)
         chunk = PrecomputedChunk(
             token_ids=tuple(token_ids),
             keys=tuple(keys),
             values=tuple(values),
-            freq_scores=layer_frequency_scores(keys, values, self._alpha),
+            freq_scores=freq_scores,
             alpha=self._alpha,
         )
         stored = self.add(chunk, codec, quiet)
