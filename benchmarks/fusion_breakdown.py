@@ -50,10 +50,10 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.breakdown_report import print_table, summarize
-from benchmarks.exploratory.in_process import load_smollm2
 from benchmarks.fusion_speed import build_prompts
 from benchmarks.prefill_flops import DecoderShape, PrefillWork, fused_work, normal_work
 from benchmarks.retention_methods import parse_method
+from benchmarks.smollm2_in_process import load_smollm2
 from benchmarks.smollm2_server import MODEL, RESULTS
 from benchmarks.stage_timer import StageTimer
 from sglang_hicache_ext.fusion import adapter as adapter_module

@@ -196,7 +196,7 @@ def measure_concurrency(url: str, prompts: list[str], repeats: int) -> dict[str,
 
 def measure_in_process(repeats: int, count: int, threads: int) -> dict[str, Any]:
     """The executor alone: one batched prefill of `count` requests vs `count` single ones."""
-    from benchmarks.exploratory.in_process import load_smollm2, question_segments
+    from benchmarks.smollm2_in_process import load_smollm2, question_segments
     from sglang_hicache_ext.fusion.executor import FusionJob, fused_prefill, fused_prefill_batch
     from sglang_hicache_ext.fusion.selectors import make_selector
 

@@ -54,7 +54,7 @@ from benchmarks.retention_methods import (
     split_codec,
     split_keep,
 )
-from benchmarks.retention_summary import print_table, ratio_curve, summarise
+from benchmarks.retention_summary import print_table
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_answer
 from sglang_hicache_ext.evaluation.fused_answers import (
@@ -65,6 +65,7 @@ from sglang_hicache_ext.evaluation.fused_answers import (
 )
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
+from sglang_hicache_ext.evaluation.retention import summarise
 from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.request import Segment, build_layout
@@ -73,6 +74,7 @@ from sglang_hicache_ext.tuning.ratio.quality_floor import (
     TARGET_RETENTION,
     QualityFloor,
     floor_from_curve,
+    ratio_curve,
     record_floor,
 )
 

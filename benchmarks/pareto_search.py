@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks.shared_data import CONVERSATION_TRACE
 from sglang_hicache_ext.tuning.pareto.adaptive import adaptive_search
 from sglang_hicache_ext.tuning.pareto.evaluator import Evaluator, Workload, objective_matrix
 from sglang_hicache_ext.tuning.pareto.front import pareto_mask
@@ -29,7 +30,7 @@ from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_
 from sglang_hicache_ext.tuning.pareto.plan import adaptive_settings, grid_space
 from sglang_hicache_ext.tuning.pareto.space import Point
 from sglang_hicache_ext.tuning.sim.simulator import simulate
-from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE, load_requests
+from sglang_hicache_ext.tuning.trace import load_requests
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

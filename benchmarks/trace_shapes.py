@@ -21,6 +21,7 @@ from typing import Any
 import matplotlib
 import numpy as np
 
+from benchmarks.shared_data import CONVERSATION_TRACE
 from sglang_hicache_ext.tuning.trace import TraceRequest, load_trace, parse_block_request
 from sglang_hicache_ext.tuning.ttl.synth import SHAPES, generate
 
@@ -28,7 +29,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-REAL = Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake_conversation_trace.jsonl"
 INTERVAL_BINS = np.logspace(-1, 4, 26)  # 0.1 s .. 10^4 s
 
 
@@ -67,7 +67,9 @@ def shape_of(requests: list[TraceRequest]) -> tuple[dict[str, Any], np.ndarray, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--real", type=Path, default=REAL, help="the real trace (JSONL)")
+    parser.add_argument(
+        "--real", type=Path, default=CONVERSATION_TRACE, help="the real trace (JSONL)"
+    )
     args = parser.parse_args(argv)
     traces = {"conversation (real)": load_trace(args.real).requests}
     for name, shape in SHAPES.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -86,6 +87,57 @@ def test_every_import_goes_through_the_namespace() -> None:
     assert offenders == []
 
 
+# Folders of measurement code outside the package: a test imports neither (a benchmark's own
+# checks live in benchmarks/tests/; logic a test needs belongs to the package).
+MEASUREMENT_FOLDERS = ("benchmarks", "research")
+LOADERS = {"spec_from_file_location", "run_path", "run_module", "import_module"}
+
+
+def _measurement_modules_imported(tree: ast.Module) -> list[str]:
+    """Modules of benchmarks/ or research/ a test imports: by statement, or by name or path
+    through an importlib / runpy loader."""
+    imported: list[str] = []
+    strings: list[str] = []
+    loads = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported.append(node.module)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            loads |= name in LOADERS
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            strings.append(node.value)
+    named = imported + (strings if loads else [])
+    return [n for n in named if re.split(r"[./]", n, maxsplit=1)[0] in MEASUREMENT_FOLDERS]
+
+
+def test_tests_import_no_benchmark() -> None:
+    offenders = [
+        f"{path.relative_to(REPO)}: {name}"
+        for path in sorted((REPO / "tests").rglob("*.py"))
+        for name in _measurement_modules_imported(ast.parse(path.read_text()))
+    ]
+    assert offenders == []
+
+
+def test_installed_code_never_reads_the_shared_folder() -> None:
+    # `../shared` sits beside a checkout, never beside an installed package: a path into it is
+    # passed in by the caller (a test, a benchmark, a command-line argument).
+    shared = re.compile(r"""\.\./shared|["']shared["']|shared/data""")
+    offenders = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for folder in FOLDERS
+        for path in sorted((REPO / folder).rglob("*"))
+        if path.suffix in {".py", ".json"}
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if shared.search(line)
+    ]
+    assert offenders == []
+
+
 # Import name -> distribution, where they differ; pydantic_core is pydantic's own API.
 DISTRIBUTION_OF = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "pydantic_core": "pydantic"}
 OPTIONAL_IMPORTS = {"flashinfer", "mooncake"}  # the `gpu` and `mooncake` extras
@@ -120,7 +172,8 @@ def test_architecture_map_lists_every_package_folder() -> None:
         for init in (REPO / folder).rglob("__init__.py")
     }
     assert packages - mapped == set(), "folders missing from docs/architecture.md's map"
-    assert mapped - packages - {"benchmarks", "examples", "tests", "scripts", "devenv", "docs"} == set()
+    others = {"benchmarks", "research", "examples", "tests", "scripts", "devenv", "docs"}
+    assert mapped - packages - others == set()
 
 
 def test_architecture_page_names_only_files_that_exist() -> None:

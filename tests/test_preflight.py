@@ -161,14 +161,23 @@ DISK_TIER = {
 @pytest.mark.parametrize(
     ("extra", "radix", "message"),
     [
-        ({**DISK_TIER, "ttl_polcy": "group"}, "hicache_ext", "unknown option(s) ttl_polcy"),
+        (
+            {**DISK_TIER, "ttl_polcy": "group"},
+            "hicache_ext",
+            "hicache_ext_disk: unknown setting(s) 'ttl_polcy'; known settings: disk_dir,",
+        ),
         ({**DISK_TIER, "interface_v1": 0}, "hicache_ext", '"interface_v1": 1'),
         (
             {**DISK_TIER, "ttl_policy": "lru"},
             "hicache_ext",
-            "not one of group, group-always, fixed, static",
+            "hicache_ext_disk: ttl_policy = 'lru' is not allowed; "
+            "choose one of 'group', 'group-always', 'fixed', 'static'",
         ),
-        ({**DISK_TIER, "capacity_bytes": 0}, "hicache_ext", "capacity_bytes must be > 0"),
+        (
+            {**DISK_TIER, "capacity_bytes": 0},
+            "hicache_ext",
+            "hicache_ext_disk: capacity_bytes = 0 must be positive",
+        ),
         (DISK_TIER, None, "needs --radix-cache-backend hicache_ext"),
         (
             {**DISK_TIER, "class_name": "KaretoDiskStorage"},  # the class's name before 0.1.0

@@ -1,4 +1,5 @@
-"""The retention benchmark's summary: answers kept and gained, per-method question sets, curves."""
+"""A retention run's summary (evaluation/retention.py): answers kept and gained, per-method
+question sets, and the quality floor's ratio curve (tuning/ratio/quality_floor.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.retention_summary import ratio_curve, summarise
+from sglang_hicache_ext.evaluation.retention import summarise
+from sglang_hicache_ext.tuning.ratio.quality_floor import ratio_curve
 
 # bootstrap intervals of four questions are degenerate by construction
 pytestmark = pytest.mark.filterwarnings("ignore::scipy.stats.DegenerateDataWarning")

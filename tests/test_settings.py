@@ -56,7 +56,10 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
         ('fusion_decode_capacity = "all"\n', "fusion_decode_capacity = 'all'"),
         ("chunk_placement_alpha = -1.0\n", "chunk_placement_alpha = -1.0 must be >= 0"),
         ("chunk_placement_alpha = inf\n", "chunk_placement_alpha = inf must be a finite number"),
-        ("chunk_placement_quality_floor = 1.5\n", "chunk_placement_quality_floor = 1.5 must be in [0, 1]"),
+        (
+            "chunk_placement_quality_floor = 1.5\n",
+            "chunk_placement_quality_floor = 1.5 must be in [0, 1]",
+        ),
         ("chunk_placement_interval_s = 0\n", "chunk_placement_interval_s = 0 must be positive"),
         ("chunk_placement_interval_s = 60\n", "chunk_placement_interval_s needs chunk_disk_dir"),
         ("chunk_max_body_bytes = 0\n", "chunk_max_body_bytes = 0 must be positive"),
@@ -164,29 +167,6 @@ def test_missing_at_file_and_bad_inline_json_are_refused(tmp_path: Path) -> None
     with pytest.raises(SettingsError, match="not valid JSON"):
         read_extra_config("{'single': 'quotes'}")
     assert read_extra_config(None) == read_extra_config("") == {}
-
-
-def _readme_settings_rows() -> dict[str, str]:
-    """`setting -> default` of the README's settings table (the default cell without backticks)."""
-    lines = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
-    start = lines.index("| setting | default | meaning |") + 2  # past the header and its rule
-    rows: dict[str, str] = {}
-    for line in lines[start:]:
-        if not line.startswith("|"):
-            break
-        name, default = (cell.strip().strip("`") for cell in line.split("|")[1:3])
-        rows[name] = default
-    return rows
-
-
-def test_readme_settings_table_matches_the_model() -> None:
-    """Every setting is in the README table once, with the model's own default (JSON-spelled)."""
-    rows = _readme_settings_rows()
-    fields = ExtensionSettings.model_fields
-    assert list(rows) == list(fields)
-    for name, default in rows.items():
-        assert json.loads(default) == fields[name].default, name
-        assert type(json.loads(default)) is type(fields[name].default), name
 
 
 def test_bad_values_built_in_code_are_settings_errors() -> None:

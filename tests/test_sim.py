@@ -14,7 +14,6 @@ from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.cost import GB, disk_type
 from sglang_hicache_ext.tuning.lru import BlockLru
 from sglang_hicache_ext.tuning.sim import (
-    CONVERSATION_TRACE,
     DiskConfig,
     Profile,
     SimConfig,
@@ -28,7 +27,10 @@ from sglang_hicache_ext.tuning.sim.channel import IoChannel
 from sglang_hicache_ext.tuning.sim.disk import DiskTier
 from sglang_hicache_ext.tuning.sim.occupancy import ttl_peak_blocks
 
-CONVERSATION = CONVERSATION_TRACE
+# The production trace, in the shared folder beside the checkout (the package never looks there).
+CONVERSATION = (
+    Path(__file__).resolve().parents[2] / "shared/data/traces/mooncake_conversation_trace.jsonl"
+)
 needs_trace = pytest.mark.skipif(
     not CONVERSATION.is_file(), reason=f"shared trace not found at {CONVERSATION}"
 )

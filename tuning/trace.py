@@ -18,10 +18,6 @@ from typing import Any, NamedTuple, TypeVar
 
 logger = logging.getLogger(__name__)
 
-# The shared traces live beside the repository checkout: <repo>/../shared/data/traces.
-TRACES_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
-CONVERSATION_TRACE = TRACES_DIR / "mooncake_conversation_trace.jsonl"
-
 _T = TypeVar("_T", bound=tuple)
 
 

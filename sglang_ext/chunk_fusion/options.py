@@ -59,16 +59,39 @@ class FusionOptions(BaseModel):
         frozen=True, strict=True, extra="forbid", validate_by_name=True, validate_by_alias=True
     )
 
-    enabled: bool = Field(alias=ENABLE_KEY)
-    selector: SelectorName = Field(alias=SELECTOR_KEY)
-    recompute_ratio: RatioOrAuto = Field(alias=RATIO_KEY)
-    sink_tokens: SinkTokens = Field(alias=SINK_KEY)
-    fresh_layers: FreshLayers = Field(alias=FRESH_KEY)
-    context_temperature: ContextTempering = Field(alias=TEMPERATURE_KEY)
-    context_scale: ContextTempering = Field(alias=SCALE_KEY)
-    overlap_loads: bool = Field(alias=OVERLAP_KEY)
-    # None: the decode attends every prompt token; a share in (0, 1]: decode-time eviction.
-    decode_capacity: DecodeCapacity | None = Field(None, alias=DECODE_CAPACITY_KEY)
+    enabled: bool = Field(
+        alias=ENABLE_KEY, description="Fuse this request: reuse stored chunks it contains."
+    )
+    selector: SelectorName = Field(
+        alias=SELECTOR_KEY, description="Which chunk tokens are recomputed (see the selectors)."
+    )
+    recompute_ratio: RatioOrAuto = Field(
+        alias=RATIO_KEY,
+        description='Share of chunk tokens recomputed, in [0, 1], or "auto" (tuned per tier).',
+    )
+    sink_tokens: SinkTokens = Field(
+        alias=SINK_KEY, description="First tokens of each chunk put first in the recompute budget."
+    )
+    fresh_layers: FreshLayers = Field(
+        alias=FRESH_KEY, description="First layers in which every chunk token is computed."
+    )
+    context_temperature: ContextTempering = Field(
+        alias=TEMPERATURE_KEY,
+        description="APE's temperature of the question's attention to chunk keys (1: off).",
+    )
+    context_scale: ContextTempering = Field(
+        alias=SCALE_KEY,
+        description="APE's scale of the chunks' share of the question's attention (1: off).",
+    )
+    overlap_loads: bool = Field(
+        alias=OVERLAP_KEY,
+        description="Read the next layer's rows of disk chunks while this layer computes.",
+    )
+    decode_capacity: DecodeCapacity | None = Field(
+        None,
+        alias=DECODE_CAPACITY_KEY,
+        description="Share of the prompt's tokens the decode attends, in (0, 1]; null: all.",
+    )
 
 
 def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOptions:

@@ -9,9 +9,11 @@ Loaded by SGLang's dynamic backend factory::
         "disk_dir": "/var/cache/sglang-disk", "capacity_bytes": 64e9,
         "disk_budget_bytes": 32e9, "ttl_policy": "group"}'
 
-(`options.disk_tier_extra_config` builds that.) Pages go to `sglang_hicache_ext.tiers.disk_store.
-DiskStore` (crash-safe files, hard byte capacity, TTL expiry) with the group and TTL that our
-cache controller (`controller`) passes with every write (`write_info`).
+The keys beside SGLang's are the settings' `disk_tier` part (`DiskTierSettings` in
+`sglang_ext/server/disk_tier_settings.py`, whose `disk_tier_extra_config` builds that config).
+Pages go to `sglang_hicache_ext.tiers.disk_store.DiskStore` (crash-safe files, hard byte
+capacity, TTL expiry) with the group and TTL that our cache controller (`controller`) passes
+with every write (`write_info`).
 `sglang_hicache_ext.tuning.ttl.online.OnlineTtl` owns the access log and re-plans TTLs every
 period.
 
@@ -52,14 +54,14 @@ from sglang_hicache_ext.sglang_ext.disk_tier.fault_guard import (
 )
 from sglang_hicache_ext.sglang_ext.disk_tier.history import HISTORY_FILE_NAME, TtlHistoryFile
 from sglang_hicache_ext.sglang_ext.disk_tier.metrics_export import DiskTierMetricsExport
-from sglang_hicache_ext.sglang_ext.disk_tier.options import (
+from sglang_hicache_ext.sglang_ext.disk_tier.write_info import PageWriteInfo, passed_write_info
+from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import (
     BACKEND_NAME,
     CLASS_NAME,
     MODULE_PATH,
-    DiskTierOptions,
+    DiskTierSettings,
     disk_tier_extra_config,
 )
-from sglang_hicache_ext.sglang_ext.disk_tier.write_info import PageWriteInfo, passed_write_info
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.disk_store import DiskStore
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl
@@ -70,7 +72,7 @@ __all__ = [
     "CLASS_NAME",
     "MODULE_PATH",
     "SERVER_LOCK_NAME",
-    "DiskTierOptions",
+    "DiskTierSettings",
     "GroupTTLDiskStorage",
     "disk_tier_extra_config",
     "hold_disk_dir",
@@ -84,7 +86,7 @@ class GroupTTLDiskStorage(HiCacheStorage):
     """HiCache L3 on local disk; groups and TTLs per page; zero-copy `interface_v1` only."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
-        self.options = DiskTierOptions.from_extra_config(dict(storage_config.extra_config or {}))
+        self.settings = DiskTierSettings.from_extra_config(storage_config.extra_config or {})
         model = (storage_config.model_name or "model").replace("/", "-")
         shard = f"{model}-tp{storage_config.tp_rank}of{storage_config.tp_size}"
         if storage_config.pp_size > 1:
@@ -97,12 +99,12 @@ class GroupTTLDiskStorage(HiCacheStorage):
             "purge_errors": 0,
         }
         self.faults = EntryPointFaults(BACKEND_NAME)
-        shard_dir = Path(self.options.disk_dir) / shard
-        self.online = OnlineTtl(self.options.ttl_config())
+        shard_dir = Path(self.settings.disk_dir) / shard
+        self.online = OnlineTtl(self.settings.ttl_config())
         self.history = TtlHistoryFile(shard_dir / HISTORY_FILE_NAME, self.online, BACKEND_NAME)
         # Before the store opens: its index computes expiries from the restored TTLs.
         self.restored = self.history.restore()
-        self.store = DiskStore(shard_dir, int(self.options.capacity_bytes), self.online.policy)
+        self.store = DiskStore(shard_dir, int(self.settings.capacity_bytes), self.online.policy)
         self.history.remove_stray_temps()  # only now: we own the folder
         self._closed = False
         self.metrics_export = DiskTierMetricsExport()
@@ -117,8 +119,8 @@ class GroupTTLDiskStorage(HiCacheStorage):
             " history reloaded%s",
             BACKEND_NAME,
             self.store.root,
-            self.options.capacity_bytes / 1e9,
-            self.options.ttl_policy,
+            self.settings.capacity_bytes / 1e9,
+            self.settings.ttl_policy,
             self.store.stats().entries,
             self.restored.page_accesses,
             " (with the last plan's TTLs)" if self.restored.plan_restored else "",
@@ -260,7 +262,7 @@ class GroupTTLDiskStorage(HiCacheStorage):
             "disk": stats.__dict__,
             "by_group": self.store.group_usage(),
             "ttl": self.online.status(),
-            "ttl_history": self.history.status(self.options.history_save_s),
+            "ttl_history": self.history.status(self.settings.history_save_s),
             "errors": self.error_counts(),
         }
         if pages:
@@ -304,19 +306,19 @@ class GroupTTLDiskStorage(HiCacheStorage):
 
     def _maintenance_loop(self) -> None:
         """Purge expired pages every `purge_interval_s`; save the TTL history when due."""
-        while not self._stop.wait(self.options.purge_interval_s):
+        while not self._stop.wait(self.settings.purge_interval_s):
             try:
                 self.store.purge_expired()
             except Exception:
                 self._count("purge_errors")
                 logger.exception("%s: purging expired pages failed", BACKEND_NAME)
-            if self.history.save_due(self.options.history_save_s):
+            if self.history.save_due(self.settings.history_save_s):
                 self.history.save()
             self.metrics_export.export(self)
 
 
 if (__name__, GroupTTLDiskStorage.__name__) != (MODULE_PATH, CLASS_NAME):
-    raise ImportError(f"options.MODULE_PATH / CLASS_NAME do not name {__name__}'s backend")
+    raise ImportError(f"disk_tier_settings.MODULE_PATH / CLASS_NAME do not name {__name__}")
 
 
 def _fill(target: torch.Tensor, payload: bytes) -> torch.Tensor:

@@ -1,23 +1,9 @@
 """HTTP routes of the extension, added to SGLang's FastAPI app in the launching process.
 
-- `POST /chunks` `{"text": ...}` or `{"input_ids": [...]}`, optionally `"codec": "int8"` /
-  `"int4"` / null (how every chunk tier stores it, `registered_codec` in the answer; `codec` is
-  the form a request reads, which a placement may make more compressed in host memory;
-  default the setting chunk_codec) and `"prefix"`: a text or token ids the chunk is computed
-  after (the deployment's system prompt and chat header; null: alone; default the setting
-  chunk_prefix), whose KV is not stored with the chunk (`server/chunk_body.py`):
-  register a document chunk (idempotent: the id is the content hash of its token ids; 409 when
-  it is stored with another codec or computed after another prefix); returns
-  `{"id", "num_tokens", "nbytes", "codec", "prefix_id", "prefix_tokens", "created", ...}`.
-- `GET /chunks`: the registered chunks and the chunk-store statistics.
-- `GET /chunks/{id}[?probe_layer=L&probe_token=T]`: one chunk; the probe (diagnostics) adds the
-  stored pre-RoPE key of token T at layer L, to check a capture against another implementation.
-- `DELETE /chunks/{id}`: drop a chunk (404 unknown, 409 while a running request uses it).
-- `GET /hicache_ext/storage[?pages=N]`: the disk tier (`sglang_hicache_ext.sglang_ext.disk_tier.storage_backend`): bytes and
-  pages per group, expiries, hit ratios per tier and group, current TTLs and the last plan; with
-  `pages`, the first N pages (soonest expiry first) with their group and expiry.
-- `POST /hicache_ext/storage/ttl` `{"replan": true}` (plan now from the window) or
-  `{"default_ttl_s": S, "ttls": {group: S}}` (operator override until the next plan).
+`add_routes` declares every route (chunks: `POST /chunks`, `GET /chunks`, `GET` and `DELETE
+/chunks/{id}`; the TTL disk tier: `GET /hicache_ext/storage`, `POST /hicache_ext/storage/ttl`;
+the chunk placement's, in `placement_routes.py`); each endpoint's docstring says what it takes
+and answers, and `docs/reference.md` lists them from there (`server/reference.py`).
 
 Registration runs as a prefill-only generate request (the scheduler captures the KV, see
 `sglang_hicache_ext.sglang_ext.chunk_fusion.registry`); list and delete use SGLang's scheduler control channel.
@@ -155,6 +141,14 @@ def _client_host(request: Request) -> str:
 
 
 async def register_chunk(request: Request) -> JSONResponse:
+    """Register a document chunk: `{"text": ...}` or `{"input_ids": [...]}`, optionally
+    `"codec"` (`"int8"`, `"int4"` or null: how every chunk tier stores it; default the setting
+    chunk_codec) and `"prefix"` (a text or token ids the chunk is computed after, whose KV is not
+    stored with it; default the setting chunk_prefix). Idempotent: the id is the SHA-256 of the
+    token ids; 409 when the chunk is stored with another codec or computed after another prefix.
+    Answers `{"id", "num_tokens", "nbytes", "codec", "prefix_id", "prefix_tokens", "created", ...}`.
+    Bounded before tokenizing (chunk_max_body_bytes, chunk_max_tokens: 413;
+    chunk_registrations_per_minute: 429 with Retry-After)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     manager = _tokenizer_manager()
@@ -236,6 +230,7 @@ def _conflict(
 
 
 async def list_chunks() -> JSONResponse:
+    """The registered chunks and the chunk store's statistics per tier."""
     try:
         return JSONResponse(await _control("list_chunks", {}))
     except ControlError as err:
@@ -261,6 +256,9 @@ def _checked_chunk_id(chunk_id: str) -> str:
 
 
 async def describe_chunk(request: Request, chunk_id: str) -> JSONResponse:
+    """One chunk (404 when unknown). With `?probe_layer=L&probe_token=T` (diagnostics) it adds
+    the stored pre-RoPE key of token T at layer L, to check a capture against another
+    implementation."""
     try:
         body: dict[str, Any] = {"id": _checked_chunk_id(chunk_id)}
         probe_layer = _query_int(request, "probe_layer")
@@ -281,6 +279,8 @@ async def describe_chunk(request: Request, chunk_id: str) -> JSONResponse:
 
 
 async def delete_chunk(chunk_id: str) -> JSONResponse:
+    """Drop a chunk from every tier: 404 when unknown, 409 while a forward pins it. Safe while
+    requests use it: a fused request keeps its own copy of the rows after its prefill."""
     try:
         _checked_chunk_id(chunk_id)
     except RequestRefused as err:
@@ -295,6 +295,9 @@ async def delete_chunk(chunk_id: str) -> JSONResponse:
 
 
 async def storage_status(request: Request) -> JSONResponse:
+    """The TTL disk tier: bytes and pages per group, expiries, hit ratios per tier and group,
+    current TTLs and the last plan; with `?pages=N`, the first N pages (soonest expiry first)
+    with their group and expiry. 404 when the server runs without the disk tier."""
     try:
         pages = _query_int(request, "pages") or 0
     except RequestRefused as err:
@@ -306,6 +309,9 @@ async def storage_status(request: Request) -> JSONResponse:
 
 
 async def storage_ttl(request: Request) -> JSONResponse:
+    """`{"replan": true}` (plan the group TTLs now from the access window) or
+    `{"default_ttl_s": S, "ttls": {group: S}}` (an operator's override until the next plan).
+    JSON numbers >= 0 and a real boolean only; unknown keys are a 400."""
     try:
         raw = await read_bounded_body(request, _CONTROL_BODY_MAX_BYTES, "the TTL route's limit")
         body = parse_json(raw)
@@ -319,16 +325,11 @@ async def storage_ttl(request: Request) -> JSONResponse:
         return _control_error(err)
 
 
-def register_routes() -> None:
-    # SGLang's API-key middleware, added after plugins register routes, reads `_auth_level` off
-    # each endpoint function: state-changing routes are ADMIN_OPTIONAL like /flush_cache.
-    from sglang.srt.entrypoints.http_server import app
-    from sglang.srt.utils.auth import AuthLevel, auth_level
+def add_routes(app: Any, normal: Any, admin: Any) -> None:
+    """Every route of the extension, on `app`; `normal` and `admin` mark an endpoint's auth level.
 
-    if any(getattr(route, "path", None) == "/chunks" for route in app.routes):
-        return
-    normal = auth_level(AuthLevel.NORMAL)
-    admin = auth_level(AuthLevel.ADMIN_OPTIONAL)
+    The one declaration of the routes: the server registers them through it, and the reference
+    page (`server/reference.py`) lists them from it with each endpoint's docstring."""
     app.add_api_route("/chunks", normal(register_chunk), methods=["POST"])
     app.add_api_route("/chunks", normal(list_chunks), methods=["GET"])
     app.add_api_route("/chunks/{chunk_id}", normal(describe_chunk), methods=["GET"])
@@ -338,3 +339,14 @@ def register_routes() -> None:
     from sglang_hicache_ext.sglang_ext.server import placement_routes
 
     placement_routes.add_routes(app, normal, admin)
+
+
+def register_routes() -> None:
+    # SGLang's API-key middleware, added after plugins register routes, reads `_auth_level` off
+    # each endpoint function: state-changing routes are ADMIN_OPTIONAL like /flush_cache.
+    from sglang.srt.entrypoints.http_server import app
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    if any(getattr(route, "path", None) == "/chunks" for route in app.routes):
+        return
+    add_routes(app, auth_level(AuthLevel.NORMAL), auth_level(AuthLevel.ADMIN_OPTIONAL))

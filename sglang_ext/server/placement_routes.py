@@ -1,11 +1,7 @@
 """The chunk placement's HTTP routes and its timer (launching process).
 
-- `POST /hicache_ext/placement` `{}` or `{"alpha": A, "quality_floor": Q, "profile_chunks": N}`:
-  run a placement round now (`placement_round.py`) and answer its result; alpha (>= 0, seconds
-  of TTFT one unit of quality is worth) and the floor (in [0, 1]) override the settings for this
-  round, N bounds how many chunks it profiles (default 8: never profiled first, then the most
-  read). 400 on bad values, 404 without a disk tier, 409 while a round runs.
-- `GET /hicache_ext/placement`: rounds so far, profiled chunks, counters, the last result.
+`POST /hicache_ext/placement` runs a round now and `GET /hicache_ext/placement` reports them
+(each endpoint's docstring says more; `docs/reference.md` lists them).
 
 With `chunk_placement_interval_s` a daemon thread posts to the first route every interval, as
 an operator would (with the admin key when the server has one), so that a periodic round and
@@ -50,7 +46,9 @@ ROUNDS = PlacementRounds()
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
     value = body.get(key, default)
     try:  # a JSON integer too large for a float overflows
-        finite = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+        finite = (
+            not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+        )
     except OverflowError:
         finite = False
     if not finite:
@@ -78,13 +76,24 @@ def placement_parameters(body: Any, settings: ExtensionSettings) -> RoundParamet
     floor = _number(body, "quality_floor", settings.chunk_placement_quality_floor, 0.0, 1.0)
     limit = body.get("profile_chunks", PROFILE_CHUNKS_PER_ROUND)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= _MAX_PROFILED:
-        raise RequestRefused(400, f'"profile_chunks" must be an integer in [0, {_MAX_PROFILED}], got {str(limit)[:40]!r}')
+        raise RequestRefused(
+            400,
+            f'"profile_chunks" must be an integer in [0, {_MAX_PROFILED}], got {str(limit)[:40]!r}',
+        )
     return RoundParameters(alpha, floor, limit)
 
 
 async def run_placement(request: Request) -> JSONResponse:
+    """Run a chunk placement round now (`placement_round.py`) and answer its plan per chunk
+    (reads, qualities, form before and after). Body `{}` or `{"alpha": A, "quality_floor": Q,
+    "profile_chunks": N}`: alpha (>= 0, seconds of TTFT one unit of answer quality is worth) and
+    the floor (in [0, 1]) override the settings for this round; N bounds how many chunks it
+    profiles (default 8: never profiled first, then the most read). 400 on bad values or unknown
+    keys, 404 without a chunk disk tier (chunk_disk_dir), 409 while a round runs."""
     manager = http_routes._tokenizer_manager()
-    settings = http_routes._chunk_limits(manager.server_args.hicache_storage_backend_extra_config).settings
+    settings = http_routes._chunk_limits(
+        manager.server_args.hicache_storage_backend_extra_config
+    ).settings
     try:
         raw = await read_bounded_body(request, _BODY_MAX_BYTES, "the placement route's limit")
         parameters = placement_parameters(parse_json(raw) if raw.strip() else {}, settings)
@@ -99,6 +108,7 @@ async def run_placement(request: Request) -> JSONResponse:
 
 
 async def placement_status() -> JSONResponse:
+    """Rounds so far, profiled chunks, probe fallbacks and the last round's result."""
     return JSONResponse(ROUNDS.status())
 
 

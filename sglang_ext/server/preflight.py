@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import (
+    BACKEND_NAME,
+    CLASS_NAME,
+    MODULE_PATH,
+    DiskTierSettings,
+    loads_disk_tier,
+)
 from sglang_hicache_ext.sglang_ext.server.settings import (
     ExtensionSettings,
     SettingsError,
@@ -39,38 +46,36 @@ def check_settings(server_args: Any) -> ExtensionSettings:
 
 
 def check_disk_tier(server_args: Any) -> None:
-    """Our disk backend's options, and the flags it needs, before any process starts."""
+    """Our disk backend's settings, and the flags it needs, before any process starts."""
     if server_args.hicache_storage_backend != "dynamic":
         return
     try:
         extra = read_extra_config(server_args.hicache_storage_backend_extra_config)
     except SettingsError as err:
         raise PreflightError(str(err)) from err
-    from sglang_hicache_ext.sglang_ext.disk_tier import storage_backend
-
-    if extra.get("module_path") != storage_backend.MODULE_PATH:
+    if not loads_disk_tier(extra):
         return
-    if extra.get("class_name") != storage_backend.CLASS_NAME:
+    if extra.get("class_name") != CLASS_NAME:
         # SGLang's dynamic factory would fail later, in the scheduler, with an AttributeError.
         raise PreflightError(
-            f"class_name {extra.get('class_name')!r} is not in {storage_backend.MODULE_PATH}: "
-            f"use {storage_backend.CLASS_NAME!r}"
+            f"class_name {extra.get('class_name')!r} is not in {MODULE_PATH}: use {CLASS_NAME!r}"
         )
     try:
-        options = storage_backend.DiskTierOptions.from_extra_config(extra)
-    except (TypeError, ValueError) as err:
+        settings = DiskTierSettings.from_extra_config(extra)
+    except SettingsError as err:
         raise PreflightError(str(err)) from err
     if server_args.radix_cache_backend != "hicache_ext":
         raise PreflightError(
-            f"{storage_backend.BACKEND_NAME} needs --radix-cache-backend hicache_ext "
+            f"{BACKEND_NAME} needs --radix-cache-backend hicache_ext "
             "(the tree records page accesses and the controller passes groups and TTLs)"
         )
     # Claimed here, held by this (launching) process for its lifetime: a second server on the
     # same folder stops now, in one line, instead of in its scheduler after loading the model.
+    from sglang_hicache_ext.sglang_ext.disk_tier.dir_claim import hold_disk_dir
     from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
 
     try:
-        storage_backend.hold_disk_dir(options.disk_dir)
+        hold_disk_dir(settings.disk_dir)
     except DirectoryLockedError as err:
         holder = f"process {err.holder_pid}" if err.holder_pid is not None else "another process"
         raise PreflightError(
@@ -78,7 +83,7 @@ def check_disk_tier(server_args: Any) -> None:
             "give this server another disk_dir"
         ) from err
     except OSError as err:
-        raise PreflightError(f"disk_dir {options.disk_dir}: cannot claim it ({err})") from err
+        raise PreflightError(f"disk_dir {settings.disk_dir}: cannot claim it ({err})") from err
 
 
 def check_chunk_disk(settings: ExtensionSettings) -> None:

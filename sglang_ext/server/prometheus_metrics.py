@@ -12,7 +12,7 @@ name (`_seconds`, `_bytes`), the `model_name` and `tp_rank` labels of SGLang's s
 (plus SGLang's `--extra-metric-labels`), and one label per dimension (`selector`, `reason`,
 `tier`, `group`, `kind`). Gauges are per process (`tp_rank`), merged `mostrecent` as SGLang's
 are. The JSON routes (`/server_info`, `/chunks`, `/hicache_ext/storage`) report the same counts
-for humans; README "Metrics" lists every series.
+for humans; `docs/reference.md` lists every series (rendered from these objects).
 """
 
 from __future__ import annotations
@@ -72,18 +72,20 @@ class ExtensionMetrics:
         )
         self._fallbacks = counter(
             "fusion_fallbacks_total",
-            "Requests that asked for fusion and got SGLang's normal prefill, by reason.",
+            "Requests that asked for fusion and got SGLang's normal prefill, by reason "
+            "(docs/fusion-sglang.md, Fallbacks).",
             "reason",
         )
         self._prefill_seconds = histogram(
             "fused_prefill_seconds",
             "Scheduler wall time of one fused request's prefill forward: the fusion executor "
-            "and the writes of its K/V into SGLang's pool (no queueing, tokenizing or decode).",
+            "and the writes of its K/V into SGLang's pool (synchronized on CUDA). Not a TTFT: "
+            "queueing, tokenizing and the response are in SGLang's time_to_first_token_seconds.",
             PREFILL_SECONDS_BUCKETS,
         )
         self._ratio = histogram(
             "fusion_recompute_ratio",
-            "Recompute ratio (option) each fused request used.",
+            "Recompute ratio each fused request used (its option, or the server default).",
             RECOMPUTE_RATIO_BUCKETS,
         )
         self._chunk_hits = counter(
@@ -115,13 +117,27 @@ class ExtensionMetrics:
             "disk_written_bytes_total", "Bytes of pages written to the disk tier.", "group"
         )
         self._disk_expired = counter(
-            "disk_expired_pages_total", "Pages removed from the disk tier at their TTL.", "group"
+            "disk_expired_pages_total",
+            "Pages removed from the disk tier at their TTL (by the purge, on an access, or when "
+            "the store opens).",
+            "group",
         )
-        self._replans = counter("ttl_replans_total", "Group TTL plans published by the disk tier.")
-        self._ttl_seconds = gauge("ttl_seconds", "Current TTL of a disk tier group.", "group")
+        self._replans = counter(
+            "ttl_replans_total",
+            "Group TTL plans published by the disk tier (every ttl_period_s, or when POST "
+            '/hicache_ext/storage/ttl {"replan": true} asks).',
+        )
+        self._ttl_seconds = gauge(
+            "ttl_seconds",
+            "Current TTL of a disk tier group, from the last plan or an operator's override; "
+            'group="default" is the TTL of every group the plan does not list.',
+            "group",
+        )
         self._storage_errors = counter(
             "storage_errors_total",
-            "Disk tier faults answered as misses, by kind (see GET /hicache_ext/storage errors).",
+            "Disk tier faults answered as misses, by kind: the keys of GET "
+            "/hicache_ext/storage errors (entry-point exceptions as exception.<entry point>) "
+            "and the page store's write_errors, corrupt_pages, io_errors.",
             "kind",
         )
         self._auto_chunks = counter(

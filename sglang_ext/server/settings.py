@@ -6,7 +6,9 @@ The file is named by the environment variable `SGLANG_HICACHE_EXT_CONFIG`, or by
 may also hold the settings inline as an object). Unknown keys and bad values raise
 `SettingsError` with the offending key and the allowed values, so the server stops with one
 clear line instead of running with a typo silently ignored. Every default and bound is written
-once, in `ExtensionSettings`; the per-request fusion options reuse its types.
+once, in `ExtensionSettings`; the per-request fusion options reuse its types. Its `disk_tier`
+part (`DiskTierSettings`, `disk_tier_settings.py`) is read from the extra-config's own keys when
+that loads our disk tier, since SGLang hands the backend nothing else.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import (
+    DiskTierSettings,
+    loads_disk_tier,
+)
 from sglang_hicache_ext.sglang_ext.server.extra_config import SettingsError, read_extra_config
 from sglang_hicache_ext.sglang_ext.server.setting_types import (
     ChunkCodecSpec,
@@ -241,6 +247,12 @@ class ExtensionSettings(BaseModel):
         description="Most pieces auto_chunks keeps per minute (each copies its rows and may "
         "write them to disk on the scheduler thread); pieces over the cap are counted, not kept.",
     )
+    disk_tier: DiskTierSettings | None = Field(
+        None,
+        description="The TTL disk tier (HiCache storage backend hicache_ext_disk): its settings "
+        "are keys of --hicache-storage-backend-extra-config beside SGLang's own (SGLang hands "
+        "the backend that config only), never keys of this file. Null: no disk tier.",
+    )
 
     def __init__(self, **values: Any) -> None:
         # Built in code or from a file, a bad value is the same one-line SettingsError.
@@ -294,6 +306,11 @@ class ExtensionSettings(BaseModel):
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str) -> ExtensionSettings:
+        if "disk_tier" in values:
+            raise SettingsError(
+                f"{source}: disk_tier is not a key of this file; give the disk tier's settings "
+                "as keys of --hicache-storage-backend-extra-config beside module_path"
+            )
         try:  # str(key): a YAML file may hold other keys; they are unknown settings then
             return cls(**{str(key): value for key, value in values.items()})
         except SettingsError as err:
@@ -341,9 +358,11 @@ def settings_from_extra_config(
 def load_settings(extra_config: str | Mapping[str, Any] | None = None) -> ExtensionSettings:
     """The effective settings: extra-config first, then the env var file, then defaults.
 
-    Naming a file in both places is refused: two sources of truth would drift apart.
+    Naming a file in both places is refused: two sources of truth would drift apart. The
+    `disk_tier` part comes from the extra-config's own keys when that loads our disk tier.
     """
-    from_extra = settings_from_extra_config(extra_config)
+    extra = read_extra_config(extra_config)
+    from_extra = settings_from_extra_config(extra)
     env_path = os.environ.get(CONFIG_ENV_VAR)
     if from_extra is not None and env_path:
         raise SettingsError(
@@ -351,7 +370,11 @@ def load_settings(extra_config: str | Mapping[str, Any] | None = None) -> Extens
             f"{EXTRA_CONFIG_KEY}; keep one"
         )
     if from_extra is not None:
-        return from_extra
-    if env_path:
-        return read_settings_file(env_path)
-    return ExtensionSettings()
+        settings = from_extra
+    elif env_path:
+        settings = read_settings_file(env_path)
+    else:
+        settings = ExtensionSettings()
+    if not loads_disk_tier(extra):
+        return settings
+    return settings.model_copy(update={"disk_tier": DiskTierSettings.from_extra_config(extra)})

@@ -34,9 +34,10 @@ def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
         return str(error["ctx"]["error"]) if "ctx" in error else error["msg"]
     name = str(error["loc"][0])
     field = model.model_fields[name]
-    given = f"{name} = {error['input']!r}"
-    if name == "fusion_recompute_ratio":  # a union: pydantic reports one error per member
-        return f"{given} {RATIO_CHOICES}"
+    if name == "fusion_recompute_ratio":  # a union: one error per member, its tag in the loc
+        return f"{name} = {error['input']!r} {RATIO_CHOICES}"
+    # An item of a list or dict setting is named by its index or key: static_ttls['a'].
+    given = f"{name}{''.join(f'[{part!r}]' for part in error['loc'][1:])} = {error['input']!r}"
     kind = error["type"]
     if kind == "literal_error":
         if len(error["loc"]) > 1:  # an item of a list setting: pydantic names the choices
@@ -44,9 +45,11 @@ def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
         allowed = ", ".join(map(repr, get_args(field.annotation)))
         return f"{given} is not allowed; choose one of {allowed}"
     if kind.endswith("_type"):
-        return (
-            f"{given} should be of type {getattr(field.annotation, '__name__', field.annotation)}"
-        )
+        # A plain class names itself; an optional, constrained or item type by pydantic's kind.
+        expected = kind.removesuffix("_type").replace("string", "str")
+        if len(error["loc"]) == 1 and isinstance(field.annotation, type):
+            expected = field.annotation.__name__
+        return f"{given} should be of type {expected}"
     if kind == "value_error":
         return f"{given} {error['ctx']['error']}"
     if kind == "finite_number":

@@ -20,7 +20,6 @@ from pathlib import Path
 from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, SMOLLM2, prepared_model
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.scaled_slice import SliceSpec
-from sglang_hicache_ext.tuning.trace import CONVERSATION_TRACE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fidelity", help="replay a scaled trace slice on the server and the simulator"
     )
     fid.add_argument("--profile", type=Path, required=True, help="output of `profile`")
-    fid.add_argument("--trace", type=Path, default=CONVERSATION_TRACE)
+    fid.add_argument(
+        "--trace", type=Path, required=True, help="JSONL request trace (Mooncake format)"
+    )
     fid.add_argument("--first", type=int, default=0)
     fid.add_argument("--requests", type=int, default=200)
     fid.add_argument("--conversation-stride", type=int, default=16)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 FLOORS_FILE = Path(__file__).with_name("quality_floors.json")
 TARGET_RETENTION = 0.95
@@ -46,6 +46,20 @@ def floor_from_curve(curve: Sequence[CurvePoint], target: float = TARGET_RETENTI
             break
         floor = point.ratio
     return floor
+
+
+def ratio_curve(summary: dict[str, dict[str, Any]], selector: str) -> tuple[CurvePoint, ...]:
+    """F1 retention of `selector` (e.g. "a3+sink4") at every ratio a retention summary measured
+    (`evaluation/retention.py: summarise`, methods named `<selector>@<ratio>`)."""
+    curve = []
+    for method, values in summary.items():
+        name, _, ratio = method.partition("@")
+        if name == selector and ratio.replace(".", "", 1).isdigit():  # no codec, no eviction
+            low, high = values["retention_ci95"]
+            curve.append(
+                CurvePoint(float(ratio), values["retention"], (low, high), values["questions"])
+            )
+    return tuple(sorted(curve))
 
 
 def quality_floor(model: str, path: Path = FLOORS_FILE) -> QualityFloor | None:

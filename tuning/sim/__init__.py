@@ -5,14 +5,12 @@ from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.result import SimResult, TierHits
 from sglang_hicache_ext.tuning.sim.simulator import simulate
 from sglang_hicache_ext.tuning.trace import (
-    CONVERSATION_TRACE,
     SimRequest,
     TraceError,
     load_requests,
 )
 
 __all__ = [
-    "CONVERSATION_TRACE",
     "DiskConfig",
     "Profile",
     "SimConfig",

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
 
 from sglang_hicache_ext.tiers.ttl_policy import TtlTable
-from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner
-from sglang_hicache_ext.tuning.ttl.shadow_guard import ShadowGuardPlanner
 
-POLICIES = ("group", "group-always", "fixed", "static")
+if TYPE_CHECKING:
+    from sglang_hicache_ext.tuning.ttl.planner import TtlPlanner
+
+# The disk tier's setting `ttl_policy` takes this type (sglang_ext/server/disk_tier_settings.py).
+OnlineTtlPolicy = Literal["group", "group-always", "fixed", "static"]
+POLICIES: tuple[str, ...] = get_args(OnlineTtlPolicy)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class OnlineTtlConfig:
         return TtlTable(self.initial_ttl_s, dict(self.static_ttls))
 
     def planner(self) -> TtlPlanner:
+        # Imported here: the planners import scipy; the settings model reads only the policy names.
+        from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner
+        from sglang_hicache_ext.tuning.ttl.shadow_guard import ShadowGuardPlanner
+
         if self.policy in ("group", "group-always"):
             group = GroupTtlPlanner(
                 self.top_k, self.max_ttl_s, validation_fraction=0.0, shrink_events=0.0

@@ -4,7 +4,7 @@ Model: every block access goes to DRAM first (LRU by bytes, optional), then to d
 write-through from DRAM: every accessed block is written to, or refreshed on, disk with the expiry
 given by `sglang_hicache_ext.tiers.ttl_policy.TtlPolicy`, whatever tier served it. Hits are counted per block.
 Like the live disk store (`tiers/disk_store.py`), the disk can have a hard capacity (the live
-default is twice the budget, `DiskTierOptions`): a write that does not fit evicts the
+default is twice the budget, `DiskTierSettings`): a write that does not fit evicts the
 soonest-expiring blocks.
 Disk bytes are integrated exactly: after each access a block occupies the disk until
 min(expiry, its eviction, its next access, end of trace).

@@ -83,7 +83,7 @@ class ShadowGuardPlanner(TtlPlanner):
     over the baseline's exceeds both `z` standard errors and `margin` of the baseline's mean
     hits; it keeps the place while the lead stays positive. `capacity_factor` sizes each shadow
     disk's hard capacity from the budget, as the live disk tier sizes its own
-    (`DiskTierOptions`: twice the budget).
+    (`DiskTierSettings`: twice the budget).
 
     With `backtest_period_s`, the first plan call does not start from no evidence: the window it
     is given (e.g. a history restored after a restart) is replayed through every candidate,

@@ -1,6 +1,6 @@
-"""Exploratory, in-process (no server): A3 scoring variants vs baselines on HotpotQA.
+"""Study, in process (no server): A3 scoring variants vs baselines on HotpotQA.
 
-Usage: `python -m benchmarks.exploratory.a3_variants N` -> `benchmarks/results/a3_variants_N.json`.
+Usage: `python -m research.a3_variants N` -> `research/results/a3_variants_N.json`.
 Per mode: MiniLM similarity of 16-token greedy answers to the full prefill's, the share of the
 reuse -> full gap that closes, exact agreement, and the first-token KL divergence to full.
 Not part of the tests; kept so that the figures quoted in docs/fusion-sglang.md reproduce.
@@ -12,12 +12,12 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.exploratory.in_process import load_smollm2, question_segments
-from benchmarks.smollm2_server import RESULTS
+from benchmarks.smollm2_in_process import load_smollm2, question_segments
 from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion import generate_greedy, make_selector
@@ -29,6 +29,7 @@ from sglang_hicache_ext.fusion.selectors import (
     _top,
 )
 
+RESULTS = Path(__file__).resolve().parent / "results"
 RATIO = 0.15
 ANSWER_TOKENS = 16
 

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+from benchmarks import fusion_gpu
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "fusion_gpu.py"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_small_benchmark_writes_results(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("fusion_gpu_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "fusion_small.json"
-    bench.main(["--small", "--out", str(out), "--device", "cpu"])
+    fusion_gpu.main(["--small", "--out", str(out), "--device", "cpu"])
     report = json.loads(out.read_text())
     assert report["small"] is True and report["model"]["layers"] == 4
     (row,) = report["results"]

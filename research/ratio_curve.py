@@ -1,7 +1,7 @@
-"""Exploratory, in-process (no server): answer quality against the recompute ratio, r up to 0.9.
+"""Study, in process (no server): answer quality against the recompute ratio, r up to 0.9.
 
-Usage: `python -m benchmarks.exploratory.ratio_curve [--questions N] [--resume]`
--> `benchmarks/results/fusion_ratio_curve.json` (`--resume` measures the questions and modes the
+Usage: `python -m research.ratio_curve [--questions N] [--resume]`
+-> `research/results/fusion_ratio_curve.json` (`--resume` measures the questions and modes the
 file lacks).
 
 Same prompts as `benchmarks/fusion_quality.py` (HotpotQA, 6 shuffled documents as chunks, greedy
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.exploratory.in_process import load_smollm2, question_segments
-from benchmarks.smollm2_server import MODEL, RESULTS
+from benchmarks.smollm2_in_process import load_smollm2, question_segments
+from benchmarks.smollm2_server import MODEL
 from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion import make_selector
@@ -42,6 +42,7 @@ from sglang_hicache_ext.fusion.executor import KVCache, fused_prefill
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector
 
+RESULTS = Path(__file__).resolve().parent / "results"
 ANSWER_TOKENS = 16
 RATIOS = (0.15, 0.3, 0.5, 0.7, 0.9)
 # mode -> (selector, ratio, sink_tokens)

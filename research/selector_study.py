@@ -1,7 +1,7 @@
-"""Exploratory, in-process: candidate selectors vs A3 / CacheBlend at one ratio, on either model.
+"""Study, in process: candidate selectors vs A3 / CacheBlend at one ratio, on either model.
 
-Usage: `python -m benchmarks.exploratory.selector_study --model qwen --questions 12`
--> benchmarks/results/selector_study_<model>.json. HotpotQA, all paragraphs as chunks shuffled.
+Usage: `python -m research.selector_study --model qwen --questions 12`
+-> research/results/selector_study_<model>.json. HotpotQA, all paragraphs as chunks shuffled.
 Per method: teacher-forced KL to the full prefill, its gap closed vs reuse, exact agreement with
 the full prefill's answer, F1. An oracle that ranks chunk tokens by their KV deviation summed
 over all layers (known only after a full prefill) shows the headroom of a one-set selection.
@@ -14,11 +14,11 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from benchmarks.retention_chunks import question_segments
-from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_answer
 from sglang_hicache_ext.evaluation.fused_answers import run_method, teacher_forced_kl
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
@@ -33,6 +33,7 @@ from sglang_hicache_ext.fusion.selectors import (
     Selector,
 )
 
+RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}
 ANSWER_TOKENS = 24
 

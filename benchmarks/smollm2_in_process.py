@@ -1,5 +1,6 @@
-"""In-process setup of the exploratory scripts (no server): SmolLM2 as an executor adapter, and the
-fusion quality benchmark's prompt for one question as executor segments."""
+"""SmolLM2-135M-Instruct in process (no server), for the benchmarks and studies that run the fusion
+executor directly: the model as an executor adapter, and the prompt of
+`benchmarks/fusion_quality.py` for one question as executor segments."""
 
 from __future__ import annotations
 
