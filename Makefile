@@ -36,7 +36,7 @@ $(STAMP): requirements/cpu.lock requirements/constraints.txt devenv/install_stub
 $(PACKAGE_STAMP): $(STAMP) setup.py pyproject.toml devenv/namespace_links.py
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) devenv/namespace_links.py
-	$(PY) -c "import sglang.launch_server, sglang_hicache_ext.sglang_ext.plugin; from sglang_hicache_ext.tiers.mooncake_store import store_class; store_class(); print('CPU environment ready')"
+	$(PY) -c "import sglang.launch_server, sglang_hicache_ext.sglang_ext.plugin; from sglang_hicache_ext.tiers.chunks.mooncake_client import store_class; store_class(); print('CPU environment ready')"
 	touch $@
 
 models: $(MODELS_STAMP)

@@ -42,9 +42,8 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     running_server,
     server_process_group,
 )
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_file import CHUNK_SUFFIX
-from sglang_hicache_ext.tiers.chunk_forms import read_chunk, read_header
+from sglang_hicache_ext.tiers.chunks.disk_tier import CHUNK_SUFFIX, ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.stored_forms import read_chunk, read_header
 
 WORDS = [
     "amber",

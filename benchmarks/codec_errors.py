@@ -1,7 +1,7 @@
 """Round-trip error and stored size of every chunk KV codec on real chunk KV.
 
 In process: HotpotQA paragraphs prefilled alone by the model (`fusion.precompute_chunk`, keys
-before RoPE as the tiers store them), each layer through each codec (`tiers/codecs`), for two
+before RoPE as the tiers store them), each layer through each codec (`tiers/chunks/codecs`), for two
 sets of chunks: the paragraphs as they are (HotpotQA's are short, tens of tokens) and consecutive
 paragraphs joined into chunks of >= 512 tokens (RAG chunks of the size the tier benchmarks use).
 Per codec and set, over all chunks and layers: the largest absolute error of K and of V as a fraction of that
@@ -27,8 +27,8 @@ from benchmarks.fusion_retention import MODELS, load_model
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion import precompute_chunk
-from sglang_hicache_ext.tiers.codecs.base import dense_nbytes
-from sglang_hicache_ext.tiers.codecs.parse import parse_codec
+from sglang_hicache_ext.tiers.chunks.codecs.base import dense_nbytes
+from sglang_hicache_ext.tiers.chunks.codecs.parse import parse_codec
 
 CODECS = ("int8", "int4", "knorm:0.5", "keydiff:0.5", "snapkv:0.5")
 

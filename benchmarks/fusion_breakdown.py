@@ -64,7 +64,7 @@ from sglang_hicache_ext.fusion.selectors import FullSelector, Selector
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.tiers.chunk_store import ChunkStore
+from sglang_hicache_ext.tiers.chunks.host_cache import HostChunkCache
 
 ADAPTER_STEPS = ("embed", "attention_inputs", "attention_output", "logits", "rotate")
 REPO = Path(__file__).resolve().parent.parent
@@ -181,7 +181,7 @@ def run_once(
 
 def instrument(timer: StageTimer, executor: ModuleType, adapter: Any) -> None:
     timer.wrap(ChunkIndex, "find", "match")
-    timer.wrap(ChunkStore, "pin", "load")
+    timer.wrap(HostChunkCache, "pin", "load")
     # A patched executor may load and assemble in one function (`_assemble_layer`).
     for name, stage in (
         ("_load_reused", "load"),

@@ -23,7 +23,7 @@ reuse's KL it closes (`kl_gap_closed`, also with a bootstrap interval), median p
 A method is `full`, `reuse`, or `<selector>[+sink<N>]@<ratio>`, with the modifiers of
 `benchmarks/retention_methods.py` (`+prefix`, `+fresh<F>`, `+layers<a>-<b>`, `+ape`, and the noise
 floors `full+batch` / `full+fp32`); `default` is the server's default selector; `<method>#<codec>` (e.g. `default@0.15#int8`) runs it on chunks stored through a codec
-(`tiers/codecs`: int8, int4); `<method>:keep<C>` (e.g. `default@0.15:keep0.25`) decodes with
+(`tiers/chunks/codecs`: int8, int4); `<method>:keep<C>` (e.g. `default@0.15:keep0.25`) decodes with
 only C of the prompt's tokens kept per layer and head after the prefill (decode-time eviction,
 `fusion/decode_eviction.py`). `--min-prompt-tokens N` pads every prompt with paragraphs of the
 other sampled questions (also chunks) until it has N tokens. `--resume` adds missing questions

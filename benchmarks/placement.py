@@ -55,8 +55,12 @@ from benchmarks.smollm2_server import (
 )
 from sglang_hicache_ext.evaluation.answer_quality import f1_score
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.tuning.placement.context_options import (
+    ContextCosts,
+    TierSpeed,
+    context_profile,
+)
 from sglang_hicache_ext.tuning.placement.greedy import place
-from sglang_hicache_ext.tuning.placement.options import ContextCosts, TierSpeed, context_profile
 from sglang_hicache_ext.tuning.ratio.server_probe import timed_generate
 
 POLICIES = ("lru", "lru#int8", "lru#int4", "evicpress", "live")

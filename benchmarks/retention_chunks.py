@@ -24,8 +24,8 @@ from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.radix.segments import break_token_ids, document_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.tiers.chunk_forms import stored_codec
-from sglang_hicache_ext.tiers.chunk_forms import through_codec as stored_through_codec
+from sglang_hicache_ext.tiers.chunks.stored_forms import stored_codec
+from sglang_hicache_ext.tiers.chunks.stored_forms import through_codec as stored_through_codec
 
 
 def question_segments(
@@ -114,7 +114,7 @@ _breaks = functools.lru_cache(maxsize=2)(break_token_ids)
 
 def through_codec(chunk: PrecomputedChunk, spec: str) -> PrecomputedChunk:
     """The chunk as a tier storing it with codec `spec` returns it (int8 / int4: the codecs
-    tiers store, `tiers/chunk_forms.py`)."""
+    tiers store, `tiers/chunks/stored_forms.py`)."""
     try:
         return PrecomputedChunk(*stored_through_codec(chunk, stored_codec(spec)))
     except ValueError as err:

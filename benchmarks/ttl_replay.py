@@ -30,7 +30,7 @@ from scipy.optimize import brentq  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.shared_data import CONVERSATION_TRACE  # noqa: E402
-from sglang_hicache_ext.tiers.ttl_policy import TtlTable  # noqa: E402
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlTable  # noqa: E402
 from sglang_hicache_ext.tuning.trace import TraceRequest, load_trace  # noqa: E402
 from sglang_hicache_ext.tuning.ttl.cli import replay_with_progress  # noqa: E402
 from sglang_hicache_ext.tuning.ttl.planner import FixedTtlPlanner, GroupTtlPlanner, TtlPlanner  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Native libraries the Mooncake client and master load even over TCP (libibverbs and libnl),
 # for machines without Debian's libibverbs1: extracted from the Debian packages into
-# <venv>/lib/mooncake-deps, without root (tiers/mooncake_store.py and the tests load them
+# <venv>/lib/mooncake-deps, without root (tiers/chunks/mooncake_client.py and the tests load them
 # from there). Idempotent; does nothing when the system already has libibverbs.so.1.
 set -euo pipefail
 venv="$1"

@@ -30,9 +30,9 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     chunk_namespace,
 )
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteTier
-from sglang_hicache_ext.tiers.mooncake_store import MooncakeConfig, MooncakeObjectStore
+from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
+from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -250,7 +250,7 @@ def _mooncake_tier(settings: ExtensionSettings, ctx: TreeCacheBuildContext) -> C
     model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
     namespace = chunk_namespace(model_name, _kv_identity(ctx.model_config, ctx.server_args))
     logger.info("hicache_ext chunk tier mooncake: master %s", config.master)
-    return ChunkRemoteTier(MooncakeObjectStore(config), namespace)
+    return ChunkRemoteTier(MooncakeClient(config), namespace)
 
 
 def _kv_identity(model_config: Any, server_args: Any) -> str:
@@ -343,7 +343,7 @@ def _apply_ttl_request(disk_tier: Any, body: dict[str, Any]) -> dict[str, Any]:
     string for a number, a bool for a number or a number for a bool, is a ValueError (400)."""
     import math
 
-    from sglang_hicache_ext.tiers.ttl_policy import TtlTable
+    from sglang_hicache_ext.tiers.pages.ttl_policy import TtlTable
 
     usage = 'send {"replan": true} or {"default_ttl_s": S, "ttls": {group: S}}'
     unknown = sorted(set(body) - {"replan", "default_ttl_s", "ttls"})

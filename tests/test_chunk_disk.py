@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.tiers import chunk_disk
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_file import ChunkTensors
+from sglang_hicache_ext.tiers.chunks import disk_tier
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
+from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 
 
 def make_chunk(
@@ -157,7 +157,7 @@ def test_write_faults_leave_the_tier_unchanged(
     def failing_write(*args: object, **kwargs: object) -> Path:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(chunk_disk, "write_temp", failing_write)
+    monkeypatch.setattr(disk_tier, "write_temp", failing_write)
     chunk = make_chunk(2)
     assert not tier.put(chunk.content_hash, chunk)
     assert chunk.content_hash not in tier and tier.stats().write_errors == 1
@@ -183,7 +183,7 @@ _WRITER = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     from test_chunk_disk import make_chunk
-    from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
+    from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
     tier = ChunkDiskTier({directory!r}, 10**9)
     print("ready", flush=True)
     seed = 0

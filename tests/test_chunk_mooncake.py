@@ -1,5 +1,5 @@
 """The shared chunk tier on a real Mooncake master (loopback): two clients as two servers would
-use it, verification of every read, the master stopping under them, and the tiered store's
+use it, verification of every read, the master stopping under them, and `ChunkTiers`'
 promotion and demotion with it (host memory in front, as in the server)."""
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import MooncakeMaster, running_master
-from sglang_hicache_ext.tiers.chunk_file import encode_chunk
-from sglang_hicache_ext.tiers.chunk_remote import HEADER_SUFFIX, ChunkRemoteTier
-from sglang_hicache_ext.tiers.chunk_store import ChunkStore
-from sglang_hicache_ext.tiers.chunk_tiers import MOONCAKE, ChunkSummary, TieredChunkStore
-from sglang_hicache_ext.tiers.mooncake_store import MooncakeConfig, MooncakeObjectStore
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import MOONCAKE, ChunkSummary, ChunkTiers
+from sglang_hicache_ext.tiers.chunks.dense_file import encode_chunk
+from sglang_hicache_ext.tiers.chunks.host_cache import HostChunkCache
+from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
+from sglang_hicache_ext.tiers.chunks.remote_tier import HEADER_SUFFIX, ChunkRemoteTier
 from tests.test_chunk_disk import assert_same, make_chunk
 from tests.test_chunk_tiers import ROPE, _same
 
 CHUNK_BYTES = make_chunk(0).nbytes
 
 
-_clients: list[MooncakeObjectStore] = []
+_clients: list[MooncakeClient] = []
 
 
 @pytest.fixture
@@ -37,17 +37,17 @@ def master(tmp_path: Path) -> Iterator[MooncakeMaster]:
             _clients.pop().close()
 
 
-def _client(master: MooncakeMaster, segment_bytes: int = 64 << 20) -> MooncakeObjectStore:
-    client = MooncakeObjectStore(
+def _client(master: MooncakeMaster, segment_bytes: int = 64 << 20) -> MooncakeClient:
+    client = MooncakeClient(
         MooncakeConfig(master.address, segment_bytes=segment_bytes, local_buffer_bytes=16 << 20)
     )
     _clients.append(client)
     return client
 
 
-def _tiered(remote: ChunkRemoteTier, host_chunks: int) -> TieredChunkStore[PrecomputedChunk]:
-    return TieredChunkStore(
-        ChunkStore(host_chunks * CHUNK_BYTES),
+def _tiered(remote: ChunkRemoteTier, host_chunks: int) -> ChunkTiers[PrecomputedChunk]:
+    return ChunkTiers(
+        HostChunkCache(host_chunks * CHUNK_BYTES),
         None,
         lambda tensors: PrecomputedChunk(*tensors),
         lambda chunk: ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
+from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Blob:
 
 
 def test_lru_eviction_by_bytes() -> None:
-    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=100)
     store.put("a", Blob(40))
     store.put("b", Blob(40))
     assert store.get("a") is not None  # a is now the most recent
@@ -29,22 +29,22 @@ def test_lru_eviction_by_bytes() -> None:
 
 
 def test_pinned_entries_survive_and_full_store_refuses() -> None:
-    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=100)
     store.put("a", Blob(60))
     store.pin("a")
-    with pytest.raises(StoreFullError, match="pinned by running requests"):
+    with pytest.raises(HostCacheFullError, match="pinned by running requests"):
         store.put("b", Blob(60))
     assert store.remove("a") is False
     store.unpin("a")
     assert store.put("b", Blob(60)) == ["a"]
-    with pytest.raises(StoreFullError, match="the store holds 100"):
+    with pytest.raises(HostCacheFullError, match="the store holds 100"):
         store.put("huge", Blob(101))
 
 
 def test_puts_that_must_not_evict_or_replace() -> None:
-    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=100)
     store.put("a", Blob(60))
-    with pytest.raises(StoreFullError):
+    with pytest.raises(HostCacheFullError):
         store.put("b", Blob(60), evict=False)  # would need a's room
     assert "a" in store and "b" not in store and store.stats().evictions == 0
     assert store.put("a", Blob(10), if_absent=True) == []
@@ -56,34 +56,34 @@ def test_puts_that_must_not_evict_or_replace() -> None:
 
 
 def test_failed_replace_keeps_the_old_value() -> None:
-    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=100)
     store.put("a", Blob(30))
     store.put("b", Blob(60))
     store.pin("b")
-    with pytest.raises(StoreFullError):
+    with pytest.raises(HostCacheFullError):
         store.put("a", Blob(50))
     assert store.get("a") == Blob(30)
     assert store.stats().bytes_used == 90
 
 
 def test_unpin_without_pin_and_unknown_remove() -> None:
-    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=10)
+    store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=10)
     store.put("a", Blob(1))
     with pytest.raises(ValueError, match="not pinned"):
         store.unpin("a")
     with pytest.raises(KeyError):
         store.remove("zzz")
     with pytest.raises(ValueError, match="positive"):
-        ChunkStore(0)
+        HostChunkCache(0)
 
 
 def test_capacity_never_exceeded_under_concurrent_puts() -> None:
-    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=1000)
+    store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=1000)
     peaks: list[int] = []
 
     def writer(worker: int) -> None:
         for i in range(300):
-            with contextlib.suppress(StoreFullError):
+            with contextlib.suppress(HostCacheFullError):
                 store.put(f"{worker}-{i}", Blob(17 + (i * worker) % 90))
             peaks.append(store.stats().bytes_used)
 
@@ -108,7 +108,7 @@ def test_precomputed_chunk_sizes_itself(tiny_llama_path) -> None:
         alpha=0.5,
     )
     assert chunk.nbytes == 2 * layers * n * 2 * 16 * 4 + layers * n * 4
-    store: ChunkStore[PrecomputedChunk] = ChunkStore(capacity_bytes=chunk.nbytes)
+    store: HostChunkCache[PrecomputedChunk] = HostChunkCache(capacity_bytes=chunk.nbytes)
     store.put(chunk.content_hash, chunk)
     assert store.get(chunk.content_hash) is chunk
     assert store.peek(chunk.content_hash) is chunk and store.stats().hits == 1  # peek is not a hit
@@ -116,7 +116,7 @@ def test_precomputed_chunk_sizes_itself(tiny_llama_path) -> None:
 
 def test_pins_count_as_lookups() -> None:
     # Fusion plans read chunks by pinning them: GET /chunks' hit ratio must see those reads.
-    store: ChunkStore[Blob] = ChunkStore(capacity_bytes=100)
+    store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=100)
     store.put("a", Blob(10))
     store.pin("a")
     with pytest.raises(KeyError):

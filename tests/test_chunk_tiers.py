@@ -16,10 +16,10 @@ from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, chunk_namespace
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
-from sglang_hicache_ext.tiers import chunk_disk
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
-from sglang_hicache_ext.tiers.chunk_tiers import ChunkSummary, TieredChunkStore
+from sglang_hicache_ext.tiers.chunks import disk_tier
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkSummary, ChunkTiers
+from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
 from tests.test_chunk_disk import make_chunk
 
 ROPE = RopeSpec(inv_freq=torch.ones(8))
@@ -28,10 +28,10 @@ CHUNK_BYTES = make_chunk(0).nbytes
 
 def _tiers(
     tmp_path: Path, host_chunks: int, disk_chunks: int = 100
-) -> TieredChunkStore[PrecomputedChunk]:
+) -> ChunkTiers[PrecomputedChunk]:
     disk = ChunkDiskTier(tmp_path, disk_chunks * (CHUNK_BYTES + 4096))
-    return TieredChunkStore(
-        ChunkStore(host_chunks * CHUNK_BYTES),
+    return ChunkTiers(
+        HostChunkCache(host_chunks * CHUNK_BYTES),
         disk,
         lambda tensors: PrecomputedChunk(*tensors),
         lambda chunk: ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes),
@@ -49,7 +49,7 @@ def _fail_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     def failing_write(*args: object, **kwargs: object) -> Path:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(chunk_disk, "write_temp", failing_write)
+    monkeypatch.setattr(disk_tier, "write_temp", failing_write)
 
 
 def test_put_writes_through_and_host_evictions_are_demoted(tmp_path: Path) -> None:
@@ -149,8 +149,8 @@ def test_host_memory_pinned_full_still_serves_and_stores_via_disk(tmp_path: Path
 
 
 def test_without_a_disk_a_full_host_memory_refuses(tmp_path: Path) -> None:
-    store: TieredChunkStore[PrecomputedChunk] = TieredChunkStore(
-        ChunkStore(CHUNK_BYTES),
+    store: ChunkTiers[PrecomputedChunk] = ChunkTiers(
+        HostChunkCache(CHUNK_BYTES),
         None,
         lambda t: PrecomputedChunk(*t),
         lambda c: None,  # type: ignore[arg-type,return-value]
@@ -158,7 +158,7 @@ def test_without_a_disk_a_full_host_memory_refuses(tmp_path: Path) -> None:
     first, second = make_chunk(1), make_chunk(2)
     store.put(first.content_hash, first)
     store.pin(first.content_hash)
-    with pytest.raises(StoreFullError):
+    with pytest.raises(HostCacheFullError):
         store.put(second.content_hash, second)
     assert store.tiers == ("host",) and store.stats().disk is None
 
@@ -237,8 +237,8 @@ def test_models_get_their_own_chunk_directories() -> None:
 def test_without_promotion_reads_leave_host_memory_as_placed(
     tmp_path: Path, streamed: bool
 ) -> None:
-    store = TieredChunkStore(
-        ChunkStore(CHUNK_BYTES),
+    store = ChunkTiers(
+        HostChunkCache(CHUNK_BYTES),
         ChunkDiskTier(tmp_path, 100 * (CHUNK_BYTES + 4096)),
         lambda tensors: PrecomputedChunk(*tensors),
         lambda chunk: ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes),

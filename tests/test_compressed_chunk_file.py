@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_hicache_ext.tiers.chunk_file import CorruptChunkError
-from sglang_hicache_ext.tiers.codecs.compressed_file import (
+from sglang_hicache_ext.tiers.chunks.codecs.parse import parse_codec
+from sglang_hicache_ext.tiers.chunks.compressed_file import (
     decode_layer,
     encode_compressed,
     parse_compressed_header,
 )
-from sglang_hicache_ext.tiers.codecs.parse import parse_codec
+from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 from tests.test_chunk_disk import make_chunk
 
 SPECS = ["int8", "int4", "knorm:0.5", "keydiff:0.3", "snapkv:0.7"]

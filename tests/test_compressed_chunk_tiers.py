@@ -21,18 +21,19 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import MooncakeMaster, running_master
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_file import CHUNK_SUFFIX, ChunkTensors, CorruptChunkError
-from sglang_hicache_ext.tiers.chunk_forms import (
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkTiers
+from sglang_hicache_ext.tiers.chunks.disk_tier import CHUNK_SUFFIX, ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
+from sglang_hicache_ext.tiers.chunks.host_cache import HostChunkCache
+from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
+from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier
+from sglang_hicache_ext.tiers.chunks.stored_forms import (
     StoredBlob,
     read_header,
     stored_codec,
     through_codec,
 )
-from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteTier
-from sglang_hicache_ext.tiers.chunk_store import ChunkStore
-from sglang_hicache_ext.tiers.chunk_tiers import TieredChunkStore
-from sglang_hicache_ext.tiers.mooncake_store import MooncakeConfig, MooncakeObjectStore
 from tests.test_chunk_disk import make_chunk
 
 CODECS = ["int8", "int4"]
@@ -44,10 +45,10 @@ RATIO_BOUND |= {("int8", torch.bfloat16): 0.66, ("int4", torch.bfloat16): 0.4}
 METADATA = 0.05  # a whole stored chunk also holds its token ids and frequency scores
 
 
-def _tiered(tmp_path: Path, host_bytes: int) -> TieredChunkStore[HostChunk]:
+def _tiered(tmp_path: Path, host_bytes: int) -> ChunkTiers[HostChunk]:
     """The tiers as the server's registry builds them."""
-    return TieredChunkStore(
-        ChunkStore(host_bytes), ChunkDiskTier(tmp_path, 10**8), host_chunk, summarize, StreamedChunk
+    return ChunkTiers(
+        HostChunkCache(host_bytes), ChunkDiskTier(tmp_path, 10**8), host_chunk, summarize, StreamedChunk
     )
 
 
@@ -176,7 +177,7 @@ def test_a_compressed_chunk_in_the_shared_tier_is_found_and_read_by_another_serv
     master: MooncakeMaster,
 ) -> None:
     clients = [
-        MooncakeObjectStore(MooncakeConfig(master.address, segment_bytes=s, local_buffer_bytes=16 << 20))
+        MooncakeClient(MooncakeConfig(master.address, segment_bytes=s, local_buffer_bytes=16 << 20))
         for s in (64 << 20, 0)
     ]
     try:

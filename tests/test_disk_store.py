@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import sglang_hicache_ext.tiers.page_file as page_file
-from sglang_hicache_ext.tiers.disk_store import DiskStore
-from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+import sglang_hicache_ext.tiers.atomic_write as atomic_write
+from sglang_hicache_ext.tiers.atomic_write import TEMP_SUFFIX
+from sglang_hicache_ext.tiers.pages.page_store import PageStore
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy, TtlTable
 
 
 class FakeClock:
@@ -25,9 +25,9 @@ class FakeClock:
 
 def make_store(
     root: Path, capacity: int = 1 << 20, clock: FakeClock | None = None, **ttls: float
-) -> DiskStore:
+) -> PageStore:
     table = TtlTable(default_ttl=ttls.pop("default", 10.0), ttls=ttls)
-    return DiskStore(root, capacity, TtlPolicy(table), clock or FakeClock())
+    return PageStore(root, capacity, TtlPolicy(table), clock or FakeClock())
 
 
 def page_files(root: Path) -> list[Path]:
@@ -108,7 +108,7 @@ def test_full_disk_keeps_old_value(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     def no_space(fd: int, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(page_file, "_write_all", no_space)
+    monkeypatch.setattr(atomic_write, "_write_all", no_space)
     assert not store.put("k", b"new")
     monkeypatch.undo()
     stats = store.stats()
@@ -178,7 +178,7 @@ def test_capacity_never_exceeded_under_concurrent_writes(tmp_path: Path) -> None
     assert stats.reserved_bytes == 0
 
 
-class PausingStore(DiskStore):
+class PausingStore(PageStore):
     """Blocks inside the file read until released, to act while a reader holds a page."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:

@@ -10,9 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from sglang_hicache_ext.tiers.disk_store import DiskStore
-from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tiers.atomic_write import TEMP_SUFFIX
+from sglang_hicache_ext.tiers.pages.page_store import PageStore
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy, TtlTable
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE_BYTES = 256 * 1024
@@ -24,11 +24,11 @@ def expected_value(key: str) -> bytes:
     return (seed * (PAGE_BYTES // len(seed) + 1))[:PAGE_BYTES]
 
 
-def open_store(root: Path) -> DiskStore:
-    return DiskStore(root, 1 << 30, TtlPolicy(TtlTable(default_ttl=1e9)))
+def open_store(root: Path) -> PageStore:
+    return PageStore(root, 1 << 30, TtlPolicy(TtlTable(default_ttl=1e9)))
 
 
-def assert_serves_only_intact_pages(store: DiskStore, keys: list[str]) -> int:
+def assert_serves_only_intact_pages(store: PageStore, keys: list[str]) -> int:
     served = 0
     for key in keys:
         value = store.get(key)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import sglang_hicache_ext.tiers.disk_store as disk_store
+import sglang_hicache_ext.tiers.pages.page_store as page_store
+from sglang_hicache_ext.tiers.atomic_write import TEMP_SUFFIX
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
-from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
 from tests.test_disk_store import FakeClock, make_store, page_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def _eio(*args: object, **kwargs: object) -> None:
     raise OSError(errno.EIO, "Input/output error (injected)")
 
 
-def _assert_consistent(store: disk_store.DiskStore, root: Path) -> None:
+def _assert_consistent(store: page_store.PageStore, root: Path) -> None:
     """The index and the folder agree: no temp file left, bytes accounted = bytes on disk."""
     stats = store.stats()
     files = page_files(root)
@@ -76,7 +76,7 @@ def test_directory_fsync_failure_after_the_rename_unindexes_the_new_page(
     assert store.put("other", b"stays")
     if had_old_page:
         assert store.put(KEY, b"old")
-    monkeypatch.setattr(disk_store, "fsync_directory", _eio)
+    monkeypatch.setattr(page_store, "fsync_directory", _eio)
     assert store.put(KEY, b"new") is False
     monkeypatch.undo()
     stats = store.stats()
@@ -102,7 +102,7 @@ def test_directory_fsync_failure_while_the_new_page_is_read(
         entries.append(entry)
         _eio()
 
-    monkeypatch.setattr(disk_store, "fsync_directory", fail_after_pinning)
+    monkeypatch.setattr(page_store, "fsync_directory", fail_after_pinning)
     assert store.put(KEY, b"new") is False
     monkeypatch.undo()
     assert store._path_of(KEY).exists() and store.get(KEY) is None  # doomed: never served again
@@ -156,7 +156,7 @@ def test_open_skips_unreadable_files_and_counts_them(
         return real_open(path, *args, **kwargs)  # type: ignore[call-overload]
 
     monkeypatch.setattr("builtins.open", failing_open)
-    monkeypatch.setattr(disk_store, "fsync_directory", _eio)
+    monkeypatch.setattr(page_store, "fsync_directory", _eio)
     reopened = make_store(tmp_path)  # no exception although a file and the fsync fail
     monkeypatch.undo()
     stats = reopened.stats()
@@ -186,10 +186,10 @@ OWNER = textwrap.dedent(
     import sys
     sys.path.insert(0, {repo!r})
     from pathlib import Path
-    from sglang_hicache_ext.tiers.disk_store import DiskStore
-    from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX
-    from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
-    store = DiskStore({root!r}, 1 << 20, TtlPolicy(TtlTable(default_ttl=1e6)))
+    from sglang_hicache_ext.tiers.pages.page_store import PageStore
+    from sglang_hicache_ext.tiers.atomic_write import TEMP_SUFFIX
+    from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy, TtlTable
+    store = PageStore({root!r}, 1 << 20, TtlPolicy(TtlTable(default_ttl=1e6)))
     assert store.put("kept", b"mine")
     # A write in flight: its temp file exists until the rename.
     path = store._path_of("in-flight")

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
-from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, SettingsError
 
 DEFAULTS = ExtensionSettings(

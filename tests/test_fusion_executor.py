@@ -20,7 +20,7 @@ from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.rope import apply_rope
 from sglang_hicache_ext.fusion.selectors import A3Selector, SelectionContext, make_selector
-from sglang_hicache_ext.tiers.chunk_file import tensor_bytes
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import tensor_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

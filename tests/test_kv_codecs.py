@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_hicache_ext.tiers.codecs.base import dense_nbytes
-from sglang_hicache_ext.tiers.codecs.dropping import TokenDroppingCodec
-from sglang_hicache_ext.tiers.codecs.parse import parse_codec
-from sglang_hicache_ext.tiers.codecs.quantized import QuantizedCodec
+from sglang_hicache_ext.tiers.chunks.codecs.base import dense_nbytes
+from sglang_hicache_ext.tiers.chunks.codecs.dropping import TokenDroppingCodec
+from sglang_hicache_ext.tiers.chunks.codecs.parse import parse_codec
+from sglang_hicache_ext.tiers.chunks.codecs.quantized import QuantizedCodec
 
 # (kv_heads, head_dim) of SmolLM2-135M and Qwen2.5-0.5B
 SHAPES = [(3, 64), (2, 64)]

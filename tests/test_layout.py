@@ -51,7 +51,9 @@ def test_cores_never_import_sglang(core: str) -> None:
         "sys.exit(1 if bad else 0)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, f"{core}/ imports SGLang: {result.stdout} {result.stderr[-2000:]}"
+    assert result.returncode == 0, (
+        f"{core}/ imports SGLang: {result.stdout} {result.stderr[-2000:]}"
+    )
 
 
 # Which cores each core may import (docs/architecture.md, "The dependency rule").
@@ -68,9 +70,7 @@ ALLOWED_CORE_IMPORTS = {
 def test_cores_depend_on_each_other_one_way(core: str) -> None:
     imported = re.compile(rf"^\s*(?:from|import)\s+{NAMESPACE}\.([a-z_]+)", re.MULTILINE)
     used = {
-        name
-        for path in (REPO / core).rglob("*.py")
-        for name in imported.findall(path.read_text())
+        name for path in (REPO / core).rglob("*.py") for name in imported.findall(path.read_text())
     } - {core}
     assert used <= ALLOWED_CORE_IMPORTS[core], f"{core}/ imports {sorted(used)}"
 
@@ -85,6 +85,103 @@ def test_every_import_goes_through_the_namespace() -> None:
         for match in legacy.finditer(path.read_text())
     ]
     assert offenders == []
+
+
+def _package_modules() -> dict[str, Path]:
+    """Every module of the package by its import name (a package by its `__init__.py`)."""
+    modules = {}
+    for folder in FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((NAMESPACE, *parts))] = path
+    return modules
+
+
+def _imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that module `name` imports anywhere in it (inside functions and
+    `if TYPE_CHECKING:` blocks too). Each imported name is resolved to its longest prefix that
+    is a module: `from pkg import sub` imports the submodule `pkg.sub`, `from mod import f`
+    imports `mod`."""
+    package = name.split(".")[: None if path.name == "__init__.py" else -1]
+    named: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            named += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package[: len(package) - node.level + 1] if node.level else []
+            base = ".".join([*anchor, *([node.module] if node.module else [])])
+            named += [f"{base}.{alias.name}" for alias in node.names]
+    imported = set()
+    for dotted in named:
+        parts = dotted.split(".")
+        prefixes = (".".join(parts[:end]) for end in range(len(parts), 0, -1))
+        module = next((prefix for prefix in prefixes if prefix in modules), None)
+        if module is not None and module != name:
+            imported.add(module)
+    return imported
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        for other in graph[stack.pop()] - seen:
+            seen.add(other)
+            stack.append(other)
+    return seen
+
+
+def _shortest_cycle(graph: dict[str, set[str]], start: str) -> list[str]:
+    """The shortest import path from `start` back to itself (breadth first)."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for other in sorted(graph[module]):
+                if other == start:
+                    return [*paths[module], start]
+                if other not in paths:
+                    paths[other] = [*paths[module], other]
+                    following.append(other)
+        frontier = following
+    raise AssertionError(f"{start} is on no cycle")
+
+
+def test_import_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
+    source = tmp_path / "a.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import b\n"  # a submodule, relative
+        "from .pkg import helper\n"  # a name of a package's __init__
+        "if TYPE_CHECKING:\n"
+        "    from ns.c import C\n"
+        "def late():\n"
+        "    import ns.d.e\n"
+    )
+    names = ["ns.a", "ns.b", "ns.c", "ns.d", "ns.d.e", "ns.pkg"]
+    modules = {name: tmp_path / f"{name}.py" for name in names}
+    assert _imported_modules("ns.a", source, modules) == {"ns.b", "ns.c", "ns.d.e", "ns.pkg"}
+
+
+def test_no_import_cycle_between_modules() -> None:
+    # Two modules that import each other (directly or through others, type-checking imports
+    # included) are one module in two files: neither can be read, tested or moved alone.
+    modules = _package_modules()
+    graph = {name: _imported_modules(name, path, modules) for name, path in modules.items()}
+    reachable = {name: _reachable(graph, name) for name in graph}
+    cycles, placed = [], set()
+    for name in sorted(graph):
+        group = {other for other in reachable[name] if name in reachable[other]}
+        if len(group) > 1 and name not in placed:  # a strongly connected component
+            placed |= group
+            cycle = " -> ".join(
+                m.removeprefix(f"{NAMESPACE}.") for m in _shortest_cycle(graph, name)
+            )
+            cycles.append(f"{cycle} ({len(group)} modules import each other)")
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
 
 
 # Folders of measurement code outside the package: a test imports neither (a benchmark's own
@@ -139,13 +236,19 @@ def test_installed_code_never_reads_the_shared_folder() -> None:
 
 
 # Import name -> distribution, where they differ; pydantic_core is pydantic's own API.
-DISTRIBUTION_OF = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "pydantic_core": "pydantic"}
+DISTRIBUTION_OF = {
+    "yaml": "pyyaml",
+    "prometheus_client": "prometheus-client",
+    "pydantic_core": "pydantic",
+}
 OPTIONAL_IMPORTS = {"flashinfer", "mooncake"}  # the `gpu` and `mooncake` extras
 
 
 def test_declared_dependencies_are_what_the_package_imports() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    declared = {re.split(r"[<>=\[ ;]", spec, maxsplit=1)[0].lower() for spec in project["dependencies"]}
+    declared = {
+        re.split(r"[<>=\[ ;]", spec, maxsplit=1)[0].lower() for spec in project["dependencies"]
+    }
     imported = set()
     top_level = re.compile(r"^\s*(?:from|import)\s+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
     for folder in FOLDERS:
@@ -153,7 +256,9 @@ def test_declared_dependencies_are_what_the_package_imports() -> None:
             imported |= set(top_level.findall(path.read_text()))
     third_party = imported - set(sys.stdlib_module_names) - {NAMESPACE, "__future__"}
     needed = {DISTRIBUTION_OF.get(name, name) for name in third_party - OPTIONAL_IMPORTS}
-    assert needed == declared, f"imported, undeclared: {sorted(needed - declared)}; declared, unused: {sorted(declared - needed)}"
+    assert needed == declared, (
+        f"imported, undeclared: {sorted(needed - declared)}; declared, unused: {sorted(declared - needed)}"
+    )
 
 
 def test_no_module_over_the_size_limit() -> None:
@@ -188,8 +293,16 @@ def test_architecture_page_names_only_files_that_exist() -> None:
 @pytest.mark.parametrize(
     ("device", "expected", "absent"),
     [
-        ("cpu", ["--device", "cpu", "--sleep-on-idle", "--attention-backend", "torch_position"], []),
-        ("cuda", ["--device", "cuda"], ["--sleep-on-idle", "torch_position", "--mem-fraction-static"]),
+        (
+            "cpu",
+            ["--device", "cpu", "--sleep-on-idle", "--attention-backend", "torch_position"],
+            [],
+        ),
+        (
+            "cuda",
+            ["--device", "cuda"],
+            ["--sleep-on-idle", "torch_position", "--mem-fraction-static"],
+        ),
     ],
 )
 def test_launcher_follows_the_device(device: str, expected: list[str], absent: list[str]) -> None:

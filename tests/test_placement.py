@@ -110,7 +110,11 @@ def test_a_context_without_the_recompute_option_is_refused() -> None:
 
 
 def test_context_options_cost_the_move_off_each_tier() -> None:
-    from sglang_hicache_ext.tuning.placement.options import ContextCosts, TierSpeed, context_profile
+    from sglang_hicache_ext.tuning.placement.context_options import (
+        ContextCosts,
+        TierSpeed,
+        context_profile,
+    )
 
     costs = ContextCosts(
         stored_bytes={"none": 100 * MB, "int8": 27 * MB},

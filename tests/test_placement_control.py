@@ -12,16 +12,20 @@ import torch
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.sglang_ext.chunk_fusion import placement_control
-from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
-from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
+    pin_request_chunks,
+    pinned_chunk_segments,
+    unpin_chunks,
+)
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import UNAVAILABLE
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import (
     PROBE_FORM_PARAM,
-    UNAVAILABLE,
     check_probe_params,
     probing_placement,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_forms import StoredBlob, stored_codec, through_codec
+from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.stored_forms import StoredBlob, stored_codec, through_codec
 from tests.test_chunk_disk import make_chunk
 
 ROPE = RopeSpec(inv_freq=torch.ones(8))
@@ -43,10 +47,12 @@ def _rows(chunk: object, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_inputs_report_every_form_and_the_reads(tmp_path: Path) -> None:
     registry, chunks = _registry(tmp_path, 10 * chunks_bytes())
     prompt = [7, *chunks[0].token_ids, 9, 8, 7]
-    held = pinned_chunk_segments(registry, prompt)
-    for chunk_id in held.pinned:
-        registry.unpin(chunk_id)
-    registry.placement.usage.record(held.pinned, [9, 8, 7])
+    probe = pin_request_chunks(registry, prompt, "int8")  # a probe's reads are not traffic
+    assert probe.pinned == [chunks[0].content_hash]
+    unpin_chunks(registry, probe.pinned, "int8")
+    held = pin_request_chunks(registry, prompt, None)  # a real request's: the chunk's read
+    unpin_chunks(registry, held.pinned, None)
+    assert not registry.store.host.pinned(chunks[0].content_hash)
     inputs = registry.handle_control("hicache_ext.placement.inputs", {})[0]
     by_id = {c["id"]: c for c in inputs["chunks"]}
     assert set(by_id) == {c.content_hash for c in chunks}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -97,48 +101,100 @@ def _assert_clear_error(result: subprocess.CompletedProcess[str], needle: str) -
     assert len(lines) == 1 and needle in lines[0], result.stderr[-2000:]
 
 
+@dataclasses.dataclass(frozen=True)
+class RefusedLaunch:
+    result: subprocess.CompletedProcess[str]
+    seconds: float
+
+
+def _timed_launch(fields: dict[str, Any], env: dict[str, str] | None) -> RefusedLaunch:
+    started = time.monotonic()
+    result = _launch(ServerConfig(**{"port": free_port(), **fields}), env)
+    return RefusedLaunch(result, time.monotonic() - started)
+
+
+@pytest.fixture(scope="module")
+def refused_launches(
+    request: pytest.FixtureRequest,
+    smollm2_path: Path,
+    tiny_llama_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Future[RefusedLaunch]]]:
+    """The real launches this module expects refused, keyed by their test's name, run two at a
+    time from the first test that asks (the selected tests' launches only): a launch is ~12 s of
+    single-threaded imports before its one line, so on 2 cores two at once take little more
+    than one."""
+    folder = tmp_path_factory.mktemp("refused_launches")
+    disks = [tmp_path_factory.mktemp("chunk_disk") for _ in range(2)]  # one per launch
+    files = {
+        "ext.toml": 'cpu_compat = "maybe"\n',
+        "extra.json": json.dumps({EXTRA_CONFIG_KEY: {"chunk_max_tokens": 0}}),
+        "tier.json": json.dumps({"chunk_tiers": ["host", "nvme"], "chunk_disk_dir": str(disks[0])}),
+        "codec.json": json.dumps({"chunk_codec": "int3", "chunk_disk_dir": str(disks[1])}),
+    }
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    smollm2, tiny = {"model_path": str(smollm2_path)}, {"model_path": str(tiny_llama_path)}
+    with socket.socket() as holder, ThreadPoolExecutor(max_workers=2) as pool:
+        holder.bind(("127.0.0.1", 0))  # the busy port, held until every launch has ended
+        holder.listen()
+        launches: dict[str, tuple[dict[str, Any], dict[str, str] | None]] = {
+            "test_launch_with_bad_setting": (smollm2, {CONFIG_ENV_VAR: str(folder / "ext.toml")}),
+            "test_launch_with_bad_setting_in_extra_config_file": (
+                {
+                    **tiny,
+                    "extra_args": (
+                        "--hicache-storage-backend-extra-config",
+                        f"@{folder / 'extra.json'}",
+                    ),
+                },
+                None,
+            ),
+            "test_launch_with_missing_model": ({"model_path": str(folder / "no-model")}, None),
+            "test_launch_on_busy_port": ({**smollm2, "port": holder.getsockname()[1]}, None),
+            "test_launch_with_unknown_chunk_tier": (
+                tiny,
+                {CONFIG_ENV_VAR: str(folder / "tier.json")},
+            ),
+            "test_launch_with_unknown_chunk_codec": (
+                tiny,
+                {CONFIG_ENV_VAR: str(folder / "codec.json")},
+            ),
+        }
+        selected = {item.name for item in request.session.items}
+        yield {
+            name: pool.submit(_timed_launch, fields, env)
+            for name, (fields, env) in launches.items()
+            if name in selected
+        }
+
+
 @pytest.mark.server
-def test_launch_with_bad_setting(smollm2_path: Path, tmp_path: Path) -> None:
-    bad = tmp_path / "ext.toml"
-    bad.write_text('cpu_compat = "maybe"\n')
-    result = _launch(
-        ServerConfig(model_path=str(smollm2_path), port=free_port()), {CONFIG_ENV_VAR: str(bad)}
-    )
-    _assert_clear_error(result, "cpu_compat = 'maybe' is not allowed")
+def test_launch_with_bad_setting(refused_launches: dict[str, Future[RefusedLaunch]]) -> None:
+    launch = refused_launches["test_launch_with_bad_setting"].result()
+    _assert_clear_error(launch.result, "cpu_compat = 'maybe' is not allowed")
 
 
 @pytest.mark.server
 def test_launch_with_bad_setting_in_extra_config_file(
-    tiny_llama_path: Path, tmp_path: Path
+    refused_launches: dict[str, Future[RefusedLaunch]],
 ) -> None:
     """`--hicache-storage-backend-extra-config @file`: the settings inside the file count."""
-    extra = tmp_path / "extra.json"
-    extra.write_text(json.dumps({EXTRA_CONFIG_KEY: {"chunk_max_tokens": 0}}))
-    config = ServerConfig(
-        model_path=str(tiny_llama_path),
-        port=free_port(),
-        extra_args=("--hicache-storage-backend-extra-config", f"@{extra}"),
-    )
-    started = time.monotonic()
-    result = _launch(config)
-    _assert_clear_error(result, "chunk_max_tokens = 0 must be positive")
-    assert time.monotonic() - started < 60
+    launch = refused_launches["test_launch_with_bad_setting_in_extra_config_file"].result()
+    _assert_clear_error(launch.result, "chunk_max_tokens = 0 must be positive")
+    assert launch.seconds < 60
 
 
 @pytest.mark.server
-def test_launch_with_missing_model(tmp_path: Path) -> None:
-    result = _launch(ServerConfig(model_path=str(tmp_path / "no-model"), port=free_port()))
-    _assert_clear_error(result, "no such folder")
+def test_launch_with_missing_model(refused_launches: dict[str, Future[RefusedLaunch]]) -> None:
+    launch = refused_launches["test_launch_with_missing_model"].result()
+    _assert_clear_error(launch.result, "no such folder")
 
 
 @pytest.mark.server
-def test_launch_on_busy_port(smollm2_path: Path) -> None:
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        result = _launch(ServerConfig(model_path=str(smollm2_path), port=port))
-    _assert_clear_error(result, "already in use")
+def test_launch_on_busy_port(refused_launches: dict[str, Future[RefusedLaunch]]) -> None:
+    launch = refused_launches["test_launch_on_busy_port"].result()
+    _assert_clear_error(launch.result, "already in use")
 
 
 def _disk_tier_args(extra: dict[str, object], radix: str = "hicache_ext") -> SimpleNamespace:
@@ -293,24 +349,20 @@ def test_ratio_table_must_fit_the_model_and_tiers(tmp_path: Path) -> None:
 
 
 @pytest.mark.server
-def test_launch_with_unknown_chunk_tier(tiny_llama_path: Path, tmp_path: Path) -> None:
-    bad = tmp_path / "ext.json"
-    bad.write_text(json.dumps({"chunk_tiers": ["host", "nvme"], "chunk_disk_dir": str(tmp_path)}))
-    result = _launch(
-        ServerConfig(model_path=str(tiny_llama_path), port=free_port()), {CONFIG_ENV_VAR: str(bad)}
-    )
+def test_launch_with_unknown_chunk_tier(
+    refused_launches: dict[str, Future[RefusedLaunch]],
+) -> None:
+    launch = refused_launches["test_launch_with_unknown_chunk_tier"].result()
     _assert_clear_error(
-        result, "chunk_tiers: 'nvme' is unknown; choose from 'host', 'disk' or 'mooncake'"
+        launch.result, "chunk_tiers: 'nvme' is unknown; choose from 'host', 'disk' or 'mooncake'"
     )
 
 
 @pytest.mark.server
-def test_launch_with_unknown_chunk_codec(tiny_llama_path: Path, tmp_path: Path) -> None:
-    bad = tmp_path / "ext.json"
-    bad.write_text(json.dumps({"chunk_codec": "int3", "chunk_disk_dir": str(tmp_path)}))
-    result = _launch(
-        ServerConfig(model_path=str(tiny_llama_path), port=free_port()), {CONFIG_ENV_VAR: str(bad)}
-    )
+def test_launch_with_unknown_chunk_codec(
+    refused_launches: dict[str, Future[RefusedLaunch]],
+) -> None:
+    launch = refused_launches["test_launch_with_unknown_chunk_codec"].result()
     _assert_clear_error(
-        result, "chunk_codec = 'int3' unknown codec 'int3'; stored chunks take int8 or int4"
+        launch.result, "chunk_codec = 'int3' unknown codec 'int3'; stored chunks take int8 or int4"
     )

@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 from pydantic import BaseModel
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion.options import OPTION_KEYS
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import OPTION_KEYS
 from sglang_hicache_ext.sglang_ext.server import reference
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 

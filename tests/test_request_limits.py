@@ -13,11 +13,11 @@ import pytest
 from starlette.requests import Request
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_prefill import validate_request
-from sglang_hicache_ext.sglang_ext.chunk_fusion.options import parse_options
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     REGISTER_PARAM,
     registering_chunk,
 )
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import parse_options
 from sglang_hicache_ext.sglang_ext.radix_cache import _apply_ttl_request
 from sglang_hicache_ext.sglang_ext.server.request_limits import (
     RateLimiter,

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
-from sglang_hicache_ext.tiers.chunk_forms import read_header
+from sglang_hicache_ext.tiers.chunks.stored_forms import read_header
 from tests.test_server_mooncake import _normal
 from tests.test_server_restart import _chunks, _fused
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion.options import OPTION_KEYS
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import REGISTER_PARAM
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import OPTION_KEYS
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,

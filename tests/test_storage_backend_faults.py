@@ -22,7 +22,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-import sglang_hicache_ext.tiers.disk_store as disk_store
+import sglang_hicache_ext.tiers.pages.page_store as page_store
 from sglang_hicache_ext.sglang_ext.disk_tier.history import HISTORY_FILE_NAME
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import GroupTTLDiskStorage
 from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import disk_tier_extra_config
@@ -165,7 +165,7 @@ def test_storage_faults_are_false_not_exceptions(
     def eio(directory: Path) -> None:
         raise OSError(errno.EIO, "injected")
 
-    monkeypatch.setattr(disk_store, "fsync_directory", eio)
+    monkeypatch.setattr(page_store, "fsync_directory", eio)
     assert backend.batch_set_v1(keys(2), host_indices(2)) == [False, False]
     monkeypatch.undo()
     status = backend.status()

@@ -15,8 +15,8 @@ from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
 from sglang_hicache_ext.fusion.request_state import FusionJob
 from sglang_hicache_ext.fusion.selectors import make_selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_file import CorruptChunkError
+from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 from tests.test_fusion_executor import FAMILIES, _hf_prefix, _rag_request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,7 +11,7 @@ import pytest
 
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
 from sglang_hicache_ext.radix.groups import SubtreeGrouping
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.trace import TraceRequest, load_trace
 from sglang_hicache_ext.tuning.ttl.cli import main
 from sglang_hicache_ext.tuning.ttl.planner import (

@@ -1,1 +1,1 @@
-"""Engine-agnostic storage: chunk KV store, disk tier, codecs, placement. Never imports sglang."""
+"""Engine-agnostic storage: the page tier (pages/), the chunk tiers (chunks/). No sglang."""

@@ -12,10 +12,10 @@ from typing import Any
 
 from benchmarks.soak.client import SoakClient
 from benchmarks.soak.console import print_summary, say
-from benchmarks.soak.options import SoakOptions, parse_options
 from benchmarks.soak.plot import plot
 from benchmarks.soak.run import Soak
 from benchmarks.soak.server_process import find_server_process
+from benchmarks.soak.soak_options import SoakOptions, parse_options
 from benchmarks.soak.summary import summarise
 from benchmarks.soak.traffic import Traffic
 from scripts.prepare_models import SMOLLM2, prepare

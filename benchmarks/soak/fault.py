@@ -14,9 +14,9 @@ from typing import Any
 from benchmarks.soak.admin import StorageAdmin
 from benchmarks.soak.client import SoakClient
 from benchmarks.soak.console import say
-from benchmarks.soak.options import SoakOptions
 from benchmarks.soak.records import Outcome, Recorder
-from sglang_hicache_ext.tiers.page_file import read_header
+from benchmarks.soak.soak_options import SoakOptions
+from sglang_hicache_ext.tiers.pages.page_file import read_header
 
 
 def key_paths(root: Path) -> dict[str, Path]:

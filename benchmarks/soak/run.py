@@ -17,9 +17,9 @@ from benchmarks.soak.console import say
 from benchmarks.soak.fault import FaultInjector
 from benchmarks.soak.gate import TrafficGate
 from benchmarks.soak.monitor import ServerMonitor
-from benchmarks.soak.options import SoakOptions
 from benchmarks.soak.records import Recorder
 from benchmarks.soak.server_process import process_alive
+from benchmarks.soak.soak_options import SoakOptions
 from benchmarks.soak.traffic import Traffic
 from benchmarks.soak.workload import WEIGHTS
 

@@ -7,10 +7,10 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
-from benchmarks.soak.options import SoakOptions
 from benchmarks.soak.records import FAILURE_CLASSES, Record
 from benchmarks.soak.run import Soak
 from benchmarks.soak.server_process import scan_log
+from benchmarks.soak.soak_options import SoakOptions
 from benchmarks.soak.workload import SELECTORS, WEIGHTS
 from sglang_hicache_ext.evaluation.model_paths import SMOLLM2
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig

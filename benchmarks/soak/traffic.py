@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.soak.client import SoakClient
-from benchmarks.soak.options import SoakOptions
 from benchmarks.soak.records import Outcome
+from benchmarks.soak.soak_options import SoakOptions
 from benchmarks.soak.workload import (
     BAD_REQUESTS,
     SELECTORS,

@@ -2,7 +2,9 @@
 
 The chunk index finds every registered chunk inside the prompt's tokens, at any position; each
 match is pinned in the tiered store (so it cannot be evicted while the request uses it) and
-becomes a chunk segment of the rows it covers, and the tokens between matches become text.
+becomes a chunk segment of the rows it covers, and the tokens between matches become text. A
+placement probe pins the probe's own copies of the chunks instead (`placement_control.py`);
+a request's plan unpins them when it is done with them (`plan.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
-from sglang_hicache_ext.tiers.chunk_tiers import HOST
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import HOST
 
 
 class PinnedSegments(NamedTuple):
@@ -80,6 +82,36 @@ def pinned_chunk_segments(
     if cursor < len(tokens):
         segments.append(TextSegment(tuple(tokens[cursor:])))
     return PinnedSegments(segments, pinned, dict(tiers), dict(tokens_by_tier), fetched)
+
+
+def pin_request_chunks(
+    registry: ChunkRegistry, tokens: list[int], probe_form: str | None
+) -> PinnedSegments:
+    """A fused request's chunks pinned (`pinned_chunk_segments`, callers `unpin_chunks`). A
+    real request's (not a probe's) chunks and the question after the last of them are what
+    the placement learns its reads from."""
+    held = pinned_chunk_segments(registry, tokens, probe_form)
+    if held.pinned and probe_form is None:
+        registry.placement.usage.record(held.pinned, tokens[last_chunk_end(held.segments) :])
+    return held
+
+
+def unpin_chunks(registry: ChunkRegistry, chunk_ids: list[str], probe_form: str | None) -> None:
+    """Let go of the chunks `pin_request_chunks` pinned with the same `probe_form`."""
+    for chunk_id in chunk_ids:
+        registry.unpin(chunk_id, probe=probe_form is not None)
+
+
+def last_chunk_end(segments: list[Segment]) -> int:
+    """Prompt position just after the last chunk token."""
+    position = end = 0
+    for segment in segments:
+        if isinstance(segment, ChunkSegment):
+            position += segment.chunk.num_tokens
+            end = position
+        else:
+            position += len(segment.token_ids)
+    return end
 
 
 def prefix_agreement(

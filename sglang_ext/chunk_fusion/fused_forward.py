@@ -23,8 +23,8 @@ from sglang_hicache_ext.fusion.request_state import KVCache
 from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import keep_for_decode
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows, RoundRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
-from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime, RequestPlan
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 

@@ -32,8 +32,7 @@ from typing import Any
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_forward import run_fused_batch
-from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY, parse_options
-from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import check_probe_params
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import check_probe_params
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
     FusionRuntime,
     count_fallbacks,
@@ -48,9 +47,10 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     registration_id,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY, parse_options
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import FusedTtftMetrics
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
-from sglang_hicache_ext.tiers.chunk_file import CorruptChunkError
+from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 
 logger = logging.getLogger(__name__)
 

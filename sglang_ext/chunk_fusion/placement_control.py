@@ -15,28 +15,27 @@ other writer of host memory, and it stands down once a placement has run):
 - `tokens`: the token ids of the chunks to probe.
 - `apply`: make host memory hold each chunk in its chosen form (or not at all): drops, then
   shrinks, then grows, nothing evicted for a grow that does not fit (`no_room`), a chunk a
-  running request holds left as it is (`busy`); then the reads counted at `inputs` become history (later ones stay in the
-  next round). The
-  disk keeps the registered rows, so a placement never loses a chunk (the disk's own budget
-  may evict it later, as before).
+  running request holds left as it is (`busy`); then the reads counted at `inputs` become
+  history (later ones stay in the next round). The disk keeps the registered rows, so a
+  placement never loses a chunk (the disk's own budget may evict it later, as before).
 
-A probe request (`custom_params.hicache_ext_probe_form`) reads a chunk's registered rows passed
-through the probed codec, whatever host memory holds at the time: its answers are compared with
-the answers of the registered rows.
+A probe request (`placement_probe.py`) reads a chunk's registered rows passed through the probed
+codec (`pin_form`), whatever host memory holds at the time.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import statistics
 import time
 from collections import Counter, OrderedDict
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.tiers.chunk_file import CorruptChunkError
-from sglang_hicache_ext.tiers.chunk_forms import (
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkSummary, ChunkTiers, Pinned
+from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
+from sglang_hicache_ext.tiers.chunks.stored_forms import (
     BlobReader,
     StoredBlob,
     compressed_blob,
@@ -44,46 +43,32 @@ from sglang_hicache_ext.tiers.chunk_forms import (
     stored_codec,
     through_codec,
 )
-from sglang_hicache_ext.tiers.chunk_tiers import Pinned
 from sglang_hicache_ext.tuning.placement.host_forms import CODEC_ORDER, host_choices
 from sglang_hicache_ext.tuning.placement.usage import ChunkUsage
 from sglang_hicache_ext.tuning.placement.utility import UNCOMPRESSED
 
-if TYPE_CHECKING:
-    from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-
 logger = logging.getLogger(__name__)
 
-PROBE_FORM_PARAM = "hicache_ext_probe_form"  # internal: set by the placement's profiler only
-# Set by the placement round around its probe requests; a client sending PROBE_FORM_PARAM is
-# refused (a probe reads the disk and decodes whole chunks: not a client's knob).
-probing_placement: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "hicache_ext_probing_placement", default=False
-)
 PROBE_ROWS_KEPT = 12  # (chunk, form) pairs: the probes in flight cover two or three chunks
 MEASURE_BUDGET_S = 0.5  # of encoding and decoding chunks per `inputs` call
 UNAVAILABLE = "chunk placement unavailable: it needs a disk tier (chunk_disk_dir)"
 
 
-def check_probe_params(custom_params: Any) -> None:
-    """ValueError (HTTP 400) for a probe key a client sent, or a form no chunk can take."""
-    if not isinstance(custom_params, dict) or PROBE_FORM_PARAM not in custom_params:
-        return
-    if not probing_placement.get():
-        raise ValueError(f"custom_params.{PROBE_FORM_PARAM} is internal to the chunk placement")
-    if custom_params[PROBE_FORM_PARAM] not in CODEC_ORDER:
-        raise ValueError(f"custom_params.{PROBE_FORM_PARAM} must be one of {CODEC_ORDER}")
-
-
-def probe_form_of(req: Any) -> str | None:
-    """The form a probe request reads its chunks in (checked when it came in), else None."""
-    params = getattr(req.sampling_params, "custom_params", None) or {}
-    form = params.get(PROBE_FORM_PARAM)
-    return form if isinstance(form, str) else None
+# The registry's tiered store: host memory holds a dense chunk's rows or a compressed chunk's
+# stored bytes.
+HostStore = ChunkTiers[PrecomputedChunk | StoredBlob]
 
 
 def form_name(codec: str | None) -> str:
     return UNCOMPRESSED if codec is None else codec
+
+
+def host_form(store: HostStore, chunk_id: str) -> str | None:
+    """The form host memory holds the chunk in ("none": dense), None when it holds none."""
+    chunk = store.host.peek(chunk_id)
+    if chunk is None:
+        return None
+    return form_name(chunk.header.codec if isinstance(chunk, StoredBlob) else None)
 
 
 class FormCosts(NamedTuple):
@@ -103,8 +88,20 @@ class PerToken(NamedTuple):
 
 
 class PlacementControl:
-    def __init__(self, registry: ChunkRegistry, disk_bytes_per_s: float | None) -> None:
-        self.registry = registry
+    """The placement's side of the tiered store: `summary` gives a chunk's sizes and codec as
+    registered (the registry's record: no disk header read), `report_stored_bytes` updates the
+    metrics of the bytes each tier holds."""
+
+    def __init__(
+        self,
+        store: HostStore,
+        summary: Callable[[str], ChunkSummary | None],
+        report_stored_bytes: Callable[[], None],
+        disk_bytes_per_s: float | None,
+    ) -> None:
+        self.store = store
+        self._summary = summary
+        self._report_stored_bytes = report_stored_bytes
         self.usage = ChunkUsage()
         self._disk_bytes_per_s = disk_bytes_per_s  # the throttle, when the disk has one
         self._read_rates: list[float] = []
@@ -123,7 +120,7 @@ class PlacementControl:
         """The chunk's registered rows through `form`'s codec, for one probe request (held by
         the request alone; `release_probe` balances). None when the chunk cannot take the form
         or its rows cannot be read (logged, counted): the probe then reports a fallback."""
-        registered = form_name(self.registry.registered_codec(chunk_id))
+        registered = form_name(self._registered_codec(chunk_id))
         if form not in host_choices(registered):
             self.counters["probe_form_refused"] += 1
             return None
@@ -154,7 +151,7 @@ class PlacementControl:
 
     def _trim_probe_rows(self) -> None:
         """At most PROBE_ROWS_KEPT copies, and at most half of host memory's budget in all."""
-        budget = self.registry.store.host.stats().capacity_bytes // 2
+        budget = self.store.host.stats().capacity_bytes // 2
         while len(self._probe_rows) > 1 and (
             len(self._probe_rows) > PROBE_ROWS_KEPT
             or sum(c.nbytes for c in self._probe_rows.values()) > budget
@@ -164,7 +161,7 @@ class PlacementControl:
     # -- control methods -----------------------------------------------------------------
 
     def handle(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        if self.registry.store.disk is None:
+        if self.store.disk is None:
             raise RuntimeError(UNAVAILABLE)
         if name == "inputs":
             return self._inputs()
@@ -176,9 +173,8 @@ class PlacementControl:
 
     def _inputs(self) -> dict[str, Any]:
         self._probe_rows.clear()  # a new round: nothing of the last one's probes is reused
-        store = self.registry.store
-        assert store.disk is not None
-        keys = [key for key in store.stored_keys() if key in store.disk]
+        assert self.store.disk is not None
+        keys = [key for key in self.store.stored_keys() if key in self.store.disk]
         deadline = time.perf_counter() + MEASURE_BUDGET_S
         for key in keys:  # the measuring: at least one chunk a call, then within the budget
             if key not in self._costs:
@@ -197,8 +193,8 @@ class PlacementControl:
                 {
                     "id": key,
                     "num_tokens": costs.num_tokens,
-                    "registered": form_name(self.registry.registered_codec(key)),
-                    "host_form": self.registry.host_form(key),
+                    "registered": form_name(self._registered_codec(key)),
+                    "host_form": host_form(self.store, key),
                     "nbytes": costs.nbytes,
                     "decode_s": costs.decode_s,
                     "estimated": costs.estimated,
@@ -207,15 +203,15 @@ class PlacementControl:
                 }
             )
         if keys and self._disk_rate() is None:  # chunks measured from host memory's copies
-            self._time_disk_read(keys[0])
+            self._read_disk(keys[0])  # for its timing only
         listed = {chunk["id"] for chunk in chunks}
-        outside = sum(chunk.nbytes for key, chunk in store.host.items() if key not in listed)
+        outside = sum(chunk.nbytes for key, chunk in self.store.host.items() if key not in listed)
         return {
             "chunks": chunks,
             "stored": keys,  # every chunk the disk holds, listed or not
             "capacities": {
-                "host": store.host.stats().capacity_bytes,
-                "disk": store.disk.stats().capacity_bytes,
+                "host": self.store.host.stats().capacity_bytes,
+                "disk": self.store.disk.stats().capacity_bytes,
             },
             "host_bytes_outside": outside,  # chunks not listed: the plan leaves them their room
             "disk_bytes_per_s": self._disk_rate(),
@@ -223,18 +219,19 @@ class PlacementControl:
         }
 
     def _token_ids(self, key: str) -> list[int] | None:
-        header = self.registry.store.header(key)
+        header = self.store.header(key)
         return None if header is None else list(header.token_ids)
 
     def _apply(self, forms: dict[str, Any]) -> dict[str, Any]:
-        store = self.registry.store
         planned = {key: None if form is None else str(form) for key, form in forms.items()}
         for key, form in planned.items():  # every form checked before anything changes
-            registered = form_name(self.registry.registered_codec(key))
+            registered = form_name(self._registered_codec(key))
             if form is not None and form not in host_choices(registered):
-                raise ValueError(f"chunk {key[:12]} registered as {registered} cannot be held as {form}")
+                raise ValueError(
+                    f"chunk {key[:12]} registered as {registered} cannot be held as {form}"
+                )
         # A placement decides what host memory holds: reads must not put chunks back.
-        store.promote_on_read = False
+        self.store.promote_on_read = False
         per_token = self._per_token()
 
         def order(item: tuple[str, str | None]) -> tuple[int, int]:
@@ -251,21 +248,20 @@ class PlacementControl:
             outcome = self._place(key, form)
             outcomes[outcome] += 1
             self.counters[f"placement_{outcome}"] += 1
-        self.usage.end_round(self.registry.store.stored_keys(), self._round_reads)
+        self.usage.end_round(self.store.stored_keys(), self._round_reads)
         self._round_reads = {}
         self._probe_rows.clear()
-        self.registry.report_stored_bytes()
+        self._report_stored_bytes()
         return {"outcomes": dict(outcomes)}
 
     def _place(self, key: str, form: str | None) -> str:
-        store = self.registry.store
-        if store.disk is None or key not in store.disk:
+        if self.store.disk is None or key not in self.store.disk:
             return "gone"  # deleted or evicted by the disk budget since the inputs
-        if form == self.registry.host_form(key):
+        if form == host_form(self.store, key):
             return "kept"
         if form is None:
-            return "dropped" if store.replace_in_host(key, None) else "busy"
-        if store.host.pinned(key):
+            return "dropped" if self.store.replace_in_host(key, None) else "busy"
+        if self.store.host.pinned(key):
             return "busy"
         try:
             chunk = self._host_chunk(key, form)
@@ -274,22 +270,30 @@ class PlacementControl:
             return "gone"
         if chunk is None:
             return "gone"
-        return "changed" if store.replace_in_host(key, chunk) else "no_room"
+        return "changed" if self.store.replace_in_host(key, chunk) else "no_room"
 
     # -- internals -----------------------------------------------------------------------
+
+    def _registered_codec(self, key: str) -> str | None:
+        """How the chunk was registered: the form every lower tier keeps (None: dense)."""
+        summary = self._summary(key)
+        return None if summary is None else summary.codec
 
     def _registered_rows(self, key: str) -> PrecomputedChunk | None:
         """The chunk's rows as registered (a compressed registration decoded): host memory's
         copy when it holds that form, else the disk's."""
-        store = self.registry.store
-        registered = self.registry.registered_codec(key)
-        held = store.host.peek(key)
-        if held is not None and self.registry.host_form(key) == form_name(registered):
+        registered = self._registered_codec(key)
+        held = self.store.host.peek(key)
+        if held is not None and host_form(self.store, key) == form_name(registered):
             return _dense(held)
-        if store.disk is None:
+        return self._read_disk(key)
+
+    def _read_disk(self, key: str) -> PrecomputedChunk | None:
+        """The chunk's registered rows from disk (None: not there), the read timed."""
+        if self.store.disk is None:
             return None
         began = time.perf_counter()
-        stored = store.disk.get(key)
+        stored = self.store.disk.get(key)
         if stored is None:
             return None
         elapsed = time.perf_counter() - began
@@ -315,7 +319,7 @@ class PlacementControl:
         rows = self._registered_rows(key)
         if rows is None:
             return
-        registered = form_name(self.registry.registered_codec(key))
+        registered = form_name(self._registered_codec(key))
         nbytes: dict[str, int] = {}
         decode_s: dict[str, float] = {}
         for form in host_choices(registered):
@@ -334,11 +338,17 @@ class PlacementControl:
         """Per registered codec: the measured chunks' mean costs per token and form."""
         groups: dict[str | None, list[FormCosts]] = {}
         for key, costs in self._costs.items():
-            groups.setdefault(self.registry.registered_codec(key), []).append(costs)
+            groups.setdefault(self._registered_codec(key), []).append(costs)
         return {
             codec: PerToken(
-                {f: statistics.fmean(c.nbytes[f] / c.num_tokens for c in group) for f in group[0].nbytes},
-                {f: statistics.fmean(c.decode_s[f] / c.num_tokens for c in group) for f in group[0].decode_s},
+                {
+                    f: statistics.fmean(c.nbytes[f] / c.num_tokens for c in group)
+                    for f in group[0].nbytes
+                },
+                {
+                    f: statistics.fmean(c.decode_s[f] / c.num_tokens for c in group)
+                    for f in group[0].decode_s
+                },
             )
             for codec, group in groups.items()
         }
@@ -346,7 +356,7 @@ class PlacementControl:
     def _estimate(self, key: str, per_token: dict[str | None, PerToken]) -> FormCosts | None:
         """An unmeasured chunk's costs: its registered bytes exactly (its summary), the other
         forms by the per-token costs of the measured chunks registered alike."""
-        summary = self.registry.summary(key)
+        summary = self._summary(key)
         alike = None if summary is None else per_token.get(summary.codec)
         if summary is None or alike is None:
             return None
@@ -357,17 +367,8 @@ class PlacementControl:
         return FormCosts(tokens, nbytes, decode_s, estimated=True)
 
     def _host_bytes(self, key: str) -> int:
-        held = self.registry.store.host.peek(key)
+        held = self.store.host.peek(key)
         return 0 if held is None else int(held.nbytes)
-
-    def _time_disk_read(self, key: str) -> None:
-        disk = self.registry.store.disk
-        assert disk is not None
-        began = time.perf_counter()
-        stored = disk.get(key)
-        if stored is not None:
-            nbytes = stored.nbytes if isinstance(stored, StoredBlob) else _dense(stored).nbytes
-            self._note_read(nbytes, time.perf_counter() - began)
 
     def _note_read(self, nbytes: int, seconds: float) -> None:
         if seconds > 0:

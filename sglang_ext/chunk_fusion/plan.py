@@ -16,21 +16,23 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sglang_hicache_ext.fusion.request import ChunkSegment, Segment
+from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
     WholeFetches,
-    pinned_chunk_segments,
+    last_chunk_end,
+    pin_request_chunks,
     prefix_agreement,
+    unpin_chunks,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
-from sglang_hicache_ext.sglang_ext.chunk_fusion.options import FusionOptions, parse_options
-from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import probe_form_of
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import probe_form_of
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import registration_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.setting_types import AUTO_RATIO
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
@@ -183,8 +185,7 @@ class RequestPlan:
         return {"fused": False, "fallback": self.fallback}
 
     def release(self, registry: ChunkRegistry) -> None:
-        for chunk_id in self.pinned:
-            registry.unpin(chunk_id, probe=self.probe_form is not None)
+        unpin_chunks(registry, self.pinned, self.probe_form)
         self.pinned = []
 
 
@@ -262,13 +263,11 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     if plan.fallback is not None:
         return
     tokens = list(req.origin_input_ids)
-    probe_form = plan.probe_form = probe_form_of(req)
-    held = pinned_chunk_segments(rt.registry, tokens, probe_form)
+    plan.probe_form = probe_form_of(req)
+    held = pin_request_chunks(rt.registry, tokens, plan.probe_form)
     plan.segments, plan.pinned, plan.chunk_tiers = held.segments, held.pinned, held.tiers
     plan.tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched
     plan.chunk_prefixes = prefix_agreement(rt.registry, plan.pinned, tokens)
-    if plan.pinned and probe_form is None:  # what the placement learns from real requests
-        rt.registry.placement.usage.record(plan.pinned, tokens[_last_chunk_end(plan.segments) :])
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
     elif plan.options is not None and plan.options.recompute_ratio == AUTO_RATIO:
@@ -284,7 +283,7 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
             plan.release(rt.registry)
             plan.fallback = "ratio_not_tuned"
             return
-    elif plan.prefix_len >= _last_chunk_end(plan.segments):
+    elif plan.prefix_len >= last_chunk_end(plan.segments):
         # Every chunk token is in the exact cached prefix: nothing is left to fuse, and the
         # normal prefill of the rest is exact and no slower.
         plan.release(rt.registry)
@@ -341,18 +340,6 @@ def _fallback_reason(rt: FusionRuntime, req: Any) -> str | None:
     if req in rt.interrupted:
         return "mixed_batch"
     return _static_fallback_reason(req)
-
-
-def _last_chunk_end(segments: list[Segment]) -> int:
-    """Prompt position just after the last chunk token."""
-    position = end = 0
-    for segment in segments:
-        if isinstance(segment, ChunkSegment):
-            position += segment.chunk.num_tokens
-            end = position
-        else:
-            position += len(segment.token_ids)
-    return end
 
 
 def _extend_tokens_agree(forward_batch: Any, plans: list[RequestPlan]) -> bool:

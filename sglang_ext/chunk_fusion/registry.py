@@ -29,23 +29,24 @@ from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
     PlacementControl,
-    form_name,
+    host_form,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkTensors
-from sglang_hicache_ext.tiers.chunk_forms import BlobReader, StoredBlob, stored_codec
-from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteTier
-from sglang_hicache_ext.tiers.chunk_store import ChunkStore, StoreFullError
-from sglang_hicache_ext.tiers.chunk_tiers import (
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import (
     ChunkSummary,
+    ChunkTiers,
     Pinned,
-    TieredChunkStore,
     summary_of_header,
 )
+from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader
+from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
+from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier
+from sglang_hicache_ext.tiers.chunks.stored_forms import BlobReader, StoredBlob, stored_codec
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,8 @@ class ChunkRegistry:
         self.index = ChunkIndex()
         # Streamed: a request reads only the disk rows it reuses, layer by layer under the
         # compute; the chunk is promoted to host memory after the request, in the background.
-        self.store: TieredChunkStore[HostChunk] = TieredChunkStore(
-            ChunkStore(capacity_bytes),
+        self.store: ChunkTiers[HostChunk] = ChunkTiers(
+            HostChunkCache(capacity_bytes),
             disk,
             host_chunk,
             summarize,
@@ -125,7 +126,9 @@ class ChunkRegistry:
         self.generation = 0
         # Read counts and questions of real requests, probes and the host forms a placement
         # chose (`placement_control.py`).
-        self.placement = PlacementControl(self, disk_read_bytes_per_s)
+        self.placement = PlacementControl(
+            self.store, self.summary, self.report_stored_bytes, disk_read_bytes_per_s
+        )
         self.restored = self._index_stored_chunks()
 
     def _index_stored_chunks(self) -> int:
@@ -193,10 +196,7 @@ class ChunkRegistry:
 
     def host_form(self, chunk_id: str) -> str | None:
         """The form host memory holds the chunk in ("none": dense), None when it holds none."""
-        chunk = self.store.host.peek(chunk_id)
-        if chunk is None:
-            return None
-        return form_name(chunk.header.codec if isinstance(chunk, StoredBlob) else None)
+        return host_form(self.store, chunk_id)
 
     def summary(self, chunk_id: str) -> ChunkSummary | None:
         """A stored chunk's sizes as registered (in memory: no disk header read)."""
@@ -272,7 +272,7 @@ class ChunkRegistry:
         chunk_id = chunk.content_hash
         try:
             lost = self.store.put(chunk_id, chunk, None if codec is None else stored_codec(codec))
-        except (StoreFullError, ValueError) as err:  # ValueError: a codec tiers cannot store
+        except (HostCacheFullError, ValueError) as err:  # ValueError: a codec tiers cannot store
             self.failed_captures += 1
             logger.error("chunk %s not stored: %s", chunk_id[:12], err)
             return False

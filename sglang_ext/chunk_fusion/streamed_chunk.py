@@ -1,6 +1,6 @@
 """A chunk served from the disk tier without reading it whole: rows are read when asked for.
 
-The same class serves a compressed chunk held in host memory (`tiers.chunk_forms.BlobReader`):
+The same class serves a compressed chunk held in host memory (`tiers.chunks.stored_forms.BlobReader`):
 its layers are decoded when asked for, a layer ahead of the compute like disk reads.
 
 The header (tokens, frequency scores, geometry) is read when the chunk is pinned; K/V rows are
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_hicache_ext.fusion.chunk import ModelShape, check_geometry
-from sglang_hicache_ext.tiers.chunk_disk import ChunkReader
-from sglang_hicache_ext.tiers.chunk_forms import BlobReader
+from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkReader
+from sglang_hicache_ext.tiers.chunks.stored_forms import BlobReader
 
 
 @dataclass

@@ -18,7 +18,7 @@ from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import (
     ExtensionMetrics,
     extension_metrics,
 )
-from sglang_hicache_ext.tiers.disk_store import DiskStore
+from sglang_hicache_ext.tiers.pages.page_store import PageStore
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ STORE_ERROR_COUNTS = ("write_errors", "corrupt_pages", "io_errors")
 
 
 class ExportedBackend(Protocol):
-    store: DiskStore
+    store: PageStore
     online: OnlineTtl
 
     def error_counts(self) -> dict[str, Any]: ...

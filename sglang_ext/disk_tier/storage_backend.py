@@ -11,7 +11,7 @@ Loaded by SGLang's dynamic backend factory::
 
 The keys beside SGLang's are the settings' `disk_tier` part (`DiskTierSettings` in
 `sglang_ext/server/disk_tier_settings.py`, whose `disk_tier_extra_config` builds that config).
-Pages go to `sglang_hicache_ext.tiers.disk_store.DiskStore` (crash-safe files, hard byte
+Pages go to `sglang_hicache_ext.tiers.pages.page_store.PageStore` (crash-safe files, hard byte
 capacity, TTL expiry) with the group and TTL that our cache controller (`controller`) passes
 with every write (`write_info`).
 `sglang_hicache_ext.tuning.ttl.online.OnlineTtl` owns the access log and re-plans TTLs every
@@ -23,7 +23,7 @@ turns an unexpected exception into a miss / False, logged and counted
 
 Ownership: a server claims `disk_dir` at launch (`dir_claim.hold_disk_dir`, from the preflight
 check, in the launching process, for its lifetime); each scheduler's store claims its shard
-folder `disk_dir/<model>-tp<r>of<n>` (`DiskStore`). The TTL access history (`history`) is saved
+folder `disk_dir/<model>-tp<r>of<n>` (`PageStore`). The TTL access history (`history`) is saved
 in the shard folder every `ttl_history_save_s` and on close, and reloaded at start.
 """
 
@@ -63,7 +63,7 @@ from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import (
     disk_tier_extra_config,
 )
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
-from sglang_hicache_ext.tiers.disk_store import DiskStore
+from sglang_hicache_ext.tiers.pages.page_store import PageStore
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl
 
 # What the preflight check, the launchers and older imports take from this module.
@@ -104,7 +104,7 @@ class GroupTTLDiskStorage(HiCacheStorage):
         self.history = TtlHistoryFile(shard_dir / HISTORY_FILE_NAME, self.online, BACKEND_NAME)
         # Before the store opens: its index computes expiries from the restored TTLs.
         self.restored = self.history.restore()
-        self.store = DiskStore(shard_dir, int(self.settings.capacity_bytes), self.online.policy)
+        self.store = PageStore(shard_dir, int(self.settings.capacity_bytes), self.online.policy)
         self.history.remove_stray_temps()  # only now: we own the folder
         self._closed = False
         self.metrics_export = DiskTierMetricsExport()

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from sglang_hicache_ext.sglang_ext.server.request_limits import RequestRefused
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
-from sglang_hicache_ext.tiers.chunk_forms import stored_codec
+from sglang_hicache_ext.tiers.chunks.stored_forms import stored_codec
 
 # A text longer than this many characters per allowed token cannot fit: the longest tokens of
 # common BPE vocabularies are runs of punctuation or spaces of a few dozen characters, so this

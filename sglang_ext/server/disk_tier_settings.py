@@ -48,7 +48,7 @@ def _finite_ttls(ttls: dict[str, float]) -> dict[str, float]:
     return ttls
 
 
-# Group name -> TTL in seconds (tiers/ttl_policy.py `TtlTable` refuses the same values).
+# Group name -> TTL in seconds (tiers/pages/ttl_policy.py `TtlTable` refuses the same values).
 StaticTtls = Annotated[dict[str, float], AfterValidator(_finite_ttls)]
 
 

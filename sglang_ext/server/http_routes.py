@@ -6,7 +6,8 @@ the chunk placement's, in `placement_routes.py`); each endpoint's docstring says
 and answers, and `docs/reference.md` lists them from there (`server/reference.py`).
 
 Registration runs as a prefill-only generate request (the scheduler captures the KV, see
-`sglang_hicache_ext.sglang_ext.chunk_fusion.registry`); list and delete use SGLang's scheduler control channel.
+`sglang_hicache_ext.sglang_ext.chunk_fusion.registry`); list and delete use SGLang's scheduler
+control channel (`control_routes.py`).
 
 Auth is SGLang's own (`sglang.srt.utils.auth`): routes that change or drop shared state
 (`DELETE /chunks/{id}`, `POST /hicache_ext/storage/ttl`) are ADMIN_OPTIONAL like `/flush_cache`;
@@ -34,15 +35,24 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     prefix_id,
     registering_chunk,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import CONTROL_PREFIX
+from sglang_hicache_ext.sglang_ext.server import placement_routes
 from sglang_hicache_ext.sglang_ext.server.chunk_body import parse_chunk_body
+from sglang_hicache_ext.sglang_ext.server.control_routes import (
+    ControlError,
+    control,
+    control_error_response,
+    error_response,
+    refused_response,
+    server_settings,
+    tokenizer_manager,
+)
 from sglang_hicache_ext.sglang_ext.server.request_limits import (
     RateLimiter,
     RequestRefused,
     parse_json,
     read_bounded_body,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 # A capture lands when the scheduler checkpoints the request, just before the response goes out.
 _CAPTURE_POLL_S = 0.05
@@ -50,46 +60,6 @@ _CAPTURE_TIMEOUT_S = 10.0
 # The TTL route takes a handful of numbers; anything larger than this is not a TTL request.
 _CONTROL_BODY_MAX_BYTES = 64 * 1024
 _CHUNK_ID = re.compile(r"[0-9a-f]{64}")
-
-
-class ControlError(Exception):
-    """The scheduler refused a control request; the message is the scheduler's."""
-
-
-def _tokenizer_manager() -> Any:
-    from sglang.srt.entrypoints import http_server
-
-    return http_server._global_state.tokenizer_manager
-
-
-async def _control(method: str, body: dict[str, Any]) -> dict[str, Any]:
-    from sglang.srt.managers.io_struct import DumperControlReqInput
-
-    results = await _tokenizer_manager().dumper_control(
-        DumperControlReqInput(method=CONTROL_PREFIX + method, body=body)
-    )
-    errors = [r.error for r in results if not r.success]
-    if errors:
-        raise ControlError("; ".join(errors))
-    responses = [item for result in results for item in result.response]
-    return responses[0] if responses else {}
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": message}, headers=headers)
-
-
-def _refused(err: RequestRefused) -> JSONResponse:
-    return _error(err.status, err.message, err.headers)
-
-
-def _control_error(err: ControlError) -> JSONResponse:
-    message = str(err)
-    if "unavailable" in message or "not in use" in message:
-        return _error(404, message)  # the feature is not configured on this server
-    if "in use" in message:
-        return _error(409, message)
-    return _error(400, message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +72,7 @@ class ChunkLimits:
 
 @functools.lru_cache(maxsize=4)
 def _chunk_limits(extra_config: str | None) -> ChunkLimits:
-    # Read once per server: the settings were validated at launch and do not change.
-    settings = load_settings(extra_config)
+    settings = server_settings(extra_config)  # one rate limiter per server, too
     return ChunkLimits(
         settings,
         RateLimiter(settings.chunk_registrations_per_minute, "chunk_registrations_per_minute"),
@@ -151,7 +120,7 @@ async def register_chunk(request: Request) -> JSONResponse:
     chunk_registrations_per_minute: 429 with Retry-After)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    manager = _tokenizer_manager()
+    manager = tokenizer_manager()
     limits = _chunk_limits(manager.server_args.hicache_storage_backend_extra_config)
     try:
         limits.rate.acquire(_client_host(request))
@@ -164,14 +133,14 @@ async def register_chunk(request: Request) -> JSONResponse:
             body, manager, limits.settings, max_tokens, bound
         )
     except RequestRefused as err:
-        return _refused(err)
+        return refused_response(err)
     chunk_id = chunk_hash(ids)
     try:
-        known = (await _control("describe_chunk", {"id": chunk_id})).get("chunk")
+        known = (await control("describe_chunk", {"id": chunk_id})).get("chunk")
         if known is not None:
             refusal = _conflict(known, body, codec, prefix_id(prefix))
             if refusal is not None:
-                return _error(409, refusal)
+                return error_response(409, refusal)
             return JSONResponse({**known, "created": False})
         params: dict[str, Any] = {REGISTER_PARAM: chunk_id}
         if codec is not None:
@@ -190,18 +159,18 @@ async def register_chunk(request: Request) -> JSONResponse:
             registering_chunk.reset(token)
         deadline = asyncio.get_running_loop().time() + _CAPTURE_TIMEOUT_S
         while asyncio.get_running_loop().time() < deadline:
-            stored = (await _control("describe_chunk", {"id": chunk_id})).get("chunk")
+            stored = (await control("describe_chunk", {"id": chunk_id})).get("chunk")
             if stored is not None:
                 return JSONResponse({**stored, "created": True})
             await asyncio.sleep(_CAPTURE_POLL_S)
     except ControlError as err:
-        return _control_error(err)
+        return control_error_response(err)
     except ValueError as err:  # SGLang rejects the prefill itself (e.g. longer than the context)
-        return _error(400, str(err))
+        return error_response(400, str(err))
     except HTTPException as err:  # SGLang aborted the prefill with a status of its own
-        return _error(err.status_code, str(err.detail))
+        return error_response(err.status_code, str(err.detail))
     # The capture failed: larger than the chunk store, or the store is full of chunks in use.
-    return _error(
+    return error_response(
         409, f"chunk {chunk_id[:12]} was prefilled but could not be stored; see the server log"
     )
 
@@ -232,9 +201,9 @@ def _conflict(
 async def list_chunks() -> JSONResponse:
     """The registered chunks and the chunk store's statistics per tier."""
     try:
-        return JSONResponse(await _control("list_chunks", {}))
+        return JSONResponse(await control("list_chunks", {}))
     except ControlError as err:
-        return _control_error(err)
+        return control_error_response(err)
 
 
 def _query_int(request: Request, name: str) -> int | None:
@@ -264,17 +233,17 @@ async def describe_chunk(request: Request, chunk_id: str) -> JSONResponse:
         probe_layer = _query_int(request, "probe_layer")
         probe_token = _query_int(request, "probe_token")
     except RequestRefused as err:
-        return _refused(err)
+        return refused_response(err)
     if (probe_layer is None) != (probe_token is None):
-        return _error(400, "give both probe_layer and probe_token, or neither")
+        return error_response(400, "give both probe_layer and probe_token, or neither")
     if probe_layer is not None:
         body.update(probe_layer=probe_layer, probe_token=probe_token)
     try:
-        chunk = (await _control("describe_chunk", body)).get("chunk")
+        chunk = (await control("describe_chunk", body)).get("chunk")
     except ControlError as err:
-        return _control_error(err)
+        return control_error_response(err)
     if chunk is None:
-        return _error(404, f"unknown chunk {chunk_id}")
+        return error_response(404, f"unknown chunk {chunk_id}")
     return JSONResponse(chunk)
 
 
@@ -284,13 +253,13 @@ async def delete_chunk(chunk_id: str) -> JSONResponse:
     try:
         _checked_chunk_id(chunk_id)
     except RequestRefused as err:
-        return _refused(err)
+        return refused_response(err)
     try:
-        deleted = (await _control("delete_chunk", {"id": chunk_id})).get("deleted")
+        deleted = (await control("delete_chunk", {"id": chunk_id})).get("deleted")
     except ControlError as err:
-        return _control_error(err)
+        return control_error_response(err)
     if not deleted:
-        return _error(404, f"unknown chunk {chunk_id}")
+        return error_response(404, f"unknown chunk {chunk_id}")
     return JSONResponse({"id": chunk_id, "deleted": True})
 
 
@@ -301,11 +270,11 @@ async def storage_status(request: Request) -> JSONResponse:
     try:
         pages = _query_int(request, "pages") or 0
     except RequestRefused as err:
-        return _refused(err)
+        return refused_response(err)
     try:
-        return JSONResponse(await _control("storage.status", {"pages": pages}))
+        return JSONResponse(await control("storage.status", {"pages": pages}))
     except ControlError as err:
-        return _control_error(err)
+        return control_error_response(err)
 
 
 async def storage_ttl(request: Request) -> JSONResponse:
@@ -316,13 +285,13 @@ async def storage_ttl(request: Request) -> JSONResponse:
         raw = await read_bounded_body(request, _CONTROL_BODY_MAX_BYTES, "the TTL route's limit")
         body = parse_json(raw)
     except RequestRefused as err:
-        return _refused(err)
+        return refused_response(err)
     if not isinstance(body, dict):
-        return _error(400, "send a JSON object")
+        return error_response(400, "send a JSON object")
     try:
-        return JSONResponse(await _control("storage.ttl", body))
+        return JSONResponse(await control("storage.ttl", body))
     except ControlError as err:
-        return _control_error(err)
+        return control_error_response(err)
 
 
 def add_routes(app: Any, normal: Any, admin: Any) -> None:
@@ -336,8 +305,6 @@ def add_routes(app: Any, normal: Any, admin: Any) -> None:
     app.add_api_route("/chunks/{chunk_id}", admin(delete_chunk), methods=["DELETE"])
     app.add_api_route("/hicache_ext/storage", normal(storage_status), methods=["GET"])
     app.add_api_route("/hicache_ext/storage/ttl", admin(storage_ttl), methods=["POST"])
-    from sglang_hicache_ext.sglang_ext.server import placement_routes
-
     placement_routes.add_routes(app, normal, admin)
 
 

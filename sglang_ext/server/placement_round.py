@@ -28,11 +28,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sglang_hicache_ext.evaluation.answer_quality import mean_answer_f1
-from sglang_hicache_ext.sglang_ext.chunk_fusion.options import META_KEY
-from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import (
     PROBE_FORM_PARAM,
     probing_placement,
 )
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY
 from sglang_hicache_ext.tuning.placement.host_forms import (
     ChunkForms,
     Timing,
@@ -118,7 +118,9 @@ class PlacementRounds:
             if timing is None:
                 result["skipped"] = "no chunk to place yet (no disk read timed)"
             else:
-                result.update(await self._place(control, chunks, timing, inputs, alpha, quality_floor))
+                result.update(
+                    await self._place(control, chunks, timing, inputs, alpha, quality_floor)
+                )
             result["seconds"] = round(time.perf_counter() - began, 3)
             self.rounds += 1
             self.last = result
@@ -155,7 +157,9 @@ class PlacementRounds:
         capacities = dict(inputs["capacities"])
         # Chunks only host memory holds (their disk write failed) keep their room.
         capacities["host"] = max(0, capacities["host"] - inputs["host_bytes_outside"])
-        chosen, placement = plan_host_forms(forms, frequencies, timing, capacities, alpha, quality_floor)
+        chosen, placement = plan_host_forms(
+            forms, frequencies, timing, capacities, alpha, quality_floor
+        )
         applied = await control("placement.apply", {"forms": chosen})
         return {
             "outcomes": applied["outcomes"],
@@ -271,7 +275,11 @@ async def _generate(
 
     request = GenerateReqInput(
         input_ids=input_ids,
-        sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0, "custom_params": custom},
+        sampling_params={
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0,
+            "custom_params": custom,
+        },
     )
     token = probing_placement.set(True)
     try:

@@ -23,7 +23,15 @@ from typing import Any, NamedTuple
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from sglang_hicache_ext.sglang_ext.server import http_routes
+from sglang_hicache_ext.sglang_ext.server.control_routes import (
+    ControlError,
+    control,
+    control_error_response,
+    error_response,
+    refused_response,
+    server_settings,
+    tokenizer_manager,
+)
 from sglang_hicache_ext.sglang_ext.server.placement_round import (
     PROFILE_CHUNKS_PER_ROUND,
     PlacementRounds,
@@ -90,21 +98,19 @@ async def run_placement(request: Request) -> JSONResponse:
     the floor (in [0, 1]) override the settings for this round; N bounds how many chunks it
     profiles (default 8: never profiled first, then the most read). 400 on bad values or unknown
     keys, 404 without a chunk disk tier (chunk_disk_dir), 409 while a round runs."""
-    manager = http_routes._tokenizer_manager()
-    settings = http_routes._chunk_limits(
-        manager.server_args.hicache_storage_backend_extra_config
-    ).settings
+    manager = tokenizer_manager()
+    settings = server_settings(manager.server_args.hicache_storage_backend_extra_config)
     try:
         raw = await read_bounded_body(request, _BODY_MAX_BYTES, "the placement route's limit")
         parameters = placement_parameters(parse_json(raw) if raw.strip() else {}, settings)
     except RequestRefused as err:
-        return http_routes._refused(err)
+        return refused_response(err)
     try:
-        return JSONResponse(await ROUNDS.run(manager, http_routes._control, *parameters))
+        return JSONResponse(await ROUNDS.run(manager, control, *parameters))
     except RoundRunning as err:
-        return http_routes._error(409, str(err))
-    except http_routes.ControlError as err:
-        return http_routes._control_error(err)
+        return error_response(409, str(err))
+    except ControlError as err:
+        return control_error_response(err)
 
 
 async def placement_status() -> JSONResponse:

@@ -117,7 +117,7 @@ def check_chunk_mooncake(settings: ExtensionSettings) -> None:
     is one line, not a scheduler traceback."""
     if not settings.chunk_mooncake_master:
         return
-    from sglang_hicache_ext.tiers.mooncake_store import MooncakeUnavailable, store_class
+    from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeUnavailable, store_class
 
     try:
         store_class()

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 PREFIX = "sglang:hicache_ext_"
-CHUNK_STORE_TIER = "host"  # registered chunks' KV lives in host memory (tiers/chunk_store.py)
+CHUNK_STORE_TIER = "host"  # registered chunks' KV lives in host memory (tiers/chunks/host_cache.py)
 
 # Seconds of one fused prefill on CPU and GPU: milliseconds (small prompts, GPU) to minutes
 # (long prompts on a CPU).

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion import options
+from sglang_hicache_ext.sglang_ext.chunk_fusion import request_options
 from sglang_hicache_ext.sglang_ext.server import http_routes, prometheus_metrics, settings
 from sglang_hicache_ext.sglang_ext.server.validation_messages import bound_phrase
 
@@ -135,9 +135,9 @@ def _settings_tables(model: type[BaseModel], heading: str = "###") -> list[str]:
 
 
 def _option_rows() -> Iterator[tuple[str, str, str, str]]:
-    for field in options.FusionOptions.model_fields.values():
+    for field in request_options.FusionOptions.model_fields.values():
         key = field.alias or ""
-        setting = options.SERVER_DEFAULTS.get(key)
+        setting = request_options.SERVER_DEFAULTS.get(key)
         default = f"setting `{setting}`" if setting else _default(field)
         yield f"`{key}`", _field_type(field), default, field.description or ""
 
@@ -254,8 +254,8 @@ def render() -> str:
         "`custom_params` in the body of `/v1/chat/completions` and `/v1/completions` "
         '(`extra_body={"custom_params": {...}}` with the `openai` package). A key left out '
         "takes the value of the setting named; a bad value is a 400. The response's "
-        f"`meta_info.{options.META_KEY}` reports what each fused request did. Model: "
-        "`FusionOptions` (`sglang_ext/chunk_fusion/options.py`).",
+        f"`meta_info.{request_options.META_KEY}` reports what each fused request did. Model: "
+        "`FusionOptions` (`sglang_ext/chunk_fusion/request_options.py`).",
         "",
         *_table(("key", "type", "default", "description"), _option_rows()),
         "",

@@ -24,7 +24,7 @@ def _known_selector(name: str) -> str:
     return name
 
 
-ChunkTierName = Literal["host", "disk", "mooncake"]  # fastest first (tiers/chunk_tiers.py)
+ChunkTierName = Literal["host", "disk", "mooncake"]  # fastest first (tiers/chunks/chunk_tiers.py)
 
 
 def _tier_order(tiers: list[str]) -> list[str]:
@@ -72,11 +72,11 @@ HostPort = Annotated[str, AfterValidator(_host_port)]
 
 def _stored_codec(spec: str) -> str:
     # Imported when used: the codecs import torch; reading settings needs none of it.
-    from sglang_hicache_ext.tiers.chunk_forms import stored_codec
+    from sglang_hicache_ext.tiers.chunks.stored_forms import stored_codec
 
     stored_codec(spec)
     return spec
 
 
-# "int8" or "int4" (tiers/chunk_forms.py); a POST /chunks "codec" is checked alike.
+# "int8" or "int4" (tiers/chunks/stored_forms.py); a POST /chunks "codec" is checked alike.
 ChunkCodecSpec = Annotated[str, AfterValidator(_stored_codec)]

@@ -1,7 +1,7 @@
 """Pydantic validation errors in the one line an operator (launch) or a client (a 400) reads.
 
 Shared by the settings model (`settings.py`) and the per-request fusion options
-(`chunk_fusion/options.py`): a bad value names the key, the value given and what is allowed,
+(`chunk_fusion/request_options.py`): a bad value names the key, the value given and what is allowed,
 with the numeric bounds read off the field itself so the words never drift from the check.
 """
 

@@ -6,7 +6,7 @@ import heapq
 import math
 from collections import OrderedDict
 
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy
 from sglang_hicache_ext.tuning.sim.channel import IoChannel
 
 _GROUP = "default"  # the simulator applies one TTL to all blocks: the residual group

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.cost import GB, Pricing, deployment_cost, disk_type
 from sglang_hicache_ext.tuning.lru import BlockLru
 from sglang_hicache_ext.tuning.sim.channel import IoChannel

@@ -7,7 +7,7 @@ once and paths refer to them by index (a shared prefix is one entry, not one per
 
 Format: `MAGIC` + zlib(JSON). The zlib stream carries an Adler-32 of the JSON, so a torn or
 flipped file fails to decode; the JSON is then checked field by field. Written like a page
-(`sglang_hicache_ext.tiers.page_file`): temp file, fsync, rename, fsync of the folder. A file that fails any check
+(`sglang_hicache_ext.tiers.atomic_write`): temp file, fsync, rename, fsync of the folder. A file that fails any check
 raises `HistoryFileError` for the caller to log, count and ignore (start from empty).
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from sglang_hicache_ext.radix.groups import SubtreeGrouping
-from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX, commit, fsync_directory, write_temp
-from sglang_hicache_ext.tiers.ttl_policy import TtlTable
+from sglang_hicache_ext.tiers.atomic_write import TEMP_SUFFIX, commit, fsync_directory, write_temp
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlTable
 
 MAGIC = b"sglang-hicache-ext ttl history\n"
 FORMAT = "hicache_ext.ttl_history"

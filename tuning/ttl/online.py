@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP, SubtreeGrouping
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.ttl.budget import average_pages, paced_ttl
 from sglang_hicache_ext.tuning.ttl.history_file import SavedPlan, TtlHistory
 from sglang_hicache_ext.tuning.ttl.online_config import OnlineTtlConfig

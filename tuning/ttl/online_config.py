@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-from sglang_hicache_ext.tiers.ttl_policy import TtlTable
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlTable
 
 if TYPE_CHECKING:
     from sglang_hicache_ext.tuning.ttl.planner import TtlPlanner

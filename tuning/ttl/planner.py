@@ -9,7 +9,7 @@ import numpy as np
 
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder, WindowStats
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP, SubtreeGrouping
-from sglang_hicache_ext.tiers.ttl_policy import TtlTable
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlTable
 from sglang_hicache_ext.tuning.ttl.budget import page_seconds
 from sglang_hicache_ext.tuning.ttl.optimiser import (
     TtlSolution,

@@ -2,9 +2,9 @@
 
 Model: every block access goes to DRAM first (LRU by bytes, optional), then to disk. Disk is
 write-through from DRAM: every accessed block is written to, or refreshed on, disk with the expiry
-given by `sglang_hicache_ext.tiers.ttl_policy.TtlPolicy`, whatever tier served it. Hits are counted per block.
-Like the live disk store (`tiers/disk_store.py`), the disk can have a hard capacity (the live
-default is twice the budget, `DiskTierSettings`): a write that does not fit evicts the
+given by `TtlPolicy` (`tiers/pages/ttl_policy.py`), whatever tier served it. Hits are counted per
+block. Like the live page store (`tiers/pages/page_store.py`), the disk can have a hard capacity
+(the live default is twice the budget, `DiskTierSettings`): a write that does not fit evicts the
 soonest-expiring blocks.
 Disk bytes are integrated exactly: after each access a block occupies the disk until
 min(expiry, its eviction, its next access, end of trace).
@@ -28,7 +28,7 @@ import numpy as np
 
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
 from sglang_hicache_ext.radix.groups import SubtreeGrouping
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy, TtlTable
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy, TtlTable
 from sglang_hicache_ext.tuning.lru import BlockLru
 from sglang_hicache_ext.tuning.trace import TraceRequest
 from sglang_hicache_ext.tuning.ttl.budget import average_pages, paced_ttl

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sglang_hicache_ext.radix.access_recorder import AccessRecorder
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy
 from sglang_hicache_ext.tuning.ttl.planner import PlannedTtls, TtlPlanner
 from sglang_hicache_ext.tuning.ttl.simulated_disk import SimulatedDisk
 

@@ -1,5 +1,5 @@
 """A TTL-governed disk simulated page by page: expiry on write and refresh on access, and an
-optional hard capacity that evicts the soonest-expiring pages (as `tiers/disk_store.py` does).
+optional hard capacity that evicts the soonest-expiring pages (as `tiers/pages/page_store.py` does).
 
 Shared by the trace replay (the disk being measured) and the shadow guard (one simulated disk per
 candidate planner, fed the same accesses), so both count a hit the same way.
@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy
 
 
 class SimulatedDisk:

@@ -41,7 +41,9 @@ class SoakOptions(BaseModel):
         "bursts above the average are evicted while short-TTL groups expire)",
     )
     ttl_period_s: float = Field(60.0, description="the disk tier's TTL re-planning period")
-    initial_ttl_s: float = Field(120.0, description="the disk tier's TTL before its page size is known (then paced)")
+    initial_ttl_s: float = Field(
+        120.0, description="the disk tier's TTL before its page size is known (then paced)"
+    )
     chunk_store_mb: float = Field(256.0, description="host memory for precomputed chunk KV")
     max_rss_growth: float = Field(0.05, description="acceptance: RSS growth over the window")
     keep_workdir: bool = Field(False, description="keep the disk dir (the log is always kept)")

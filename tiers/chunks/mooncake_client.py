@@ -1,4 +1,4 @@
-"""A Mooncake Store client as a small object store: put, get, exists, remove, with errors raised.
+"""The Mooncake Store client the remote chunk tier uses: put, get, exists, remove, errors raised.
 
 Mooncake's Python client answers with integer codes and, for a missing or unreachable object,
 an empty `bytes`; this adapter turns those into `RemoteStoreError` and `None` so the chunk tier
@@ -36,8 +36,8 @@ class MooncakeUnavailable(ImportError):
     """The Mooncake client library is not installed (or its native dependencies are missing)."""
 
 
-class ObjectStore(Protocol):
-    """What a remote chunk tier needs of a key-value store shared by several servers."""
+class ObjectStoreClient(Protocol):
+    """What a remote chunk tier needs of a client of a key-value store shared by servers."""
 
     def put(self, key: str, data: bytes) -> None: ...
     def get(self, key: str) -> bytes | None: ...  # None: no such object
@@ -80,8 +80,8 @@ def _preload_native_deps() -> bool:
     return False
 
 
-class MooncakeObjectStore:
-    """`ObjectStore` over one Mooncake client (thread-safe: the client is used under a lock)."""
+class MooncakeClient:
+    """`ObjectStoreClient` over one Mooncake Store client (thread-safe: used under a lock)."""
 
     def __init__(self, config: MooncakeConfig) -> None:
         # Mooncake binds the external interface unless told, and retries a missing master for

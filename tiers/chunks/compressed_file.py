@@ -2,7 +2,7 @@
 
 Layout: fixed part | metadata (JSON) | frequency scores | layer blobs.
 
-- fixed part: magic, version, metadata length, CRC32 of the metadata;
+- fixed part: magic, version, metadata length, CRC32 of the metadata (`header.py`);
 - metadata: key, codec spec, token ids, geometry, dtype, alpha, the CRC32 of the scores, and per
   layer its offset, length, CRC32 and tensors (name, dtype, shape, offset within the layer);
 - layer blobs: the codec's tensors of each layer, back to back.
@@ -17,75 +17,30 @@ import io
 import json
 import math
 import os
-import struct
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import numpy as np
 import torch
 
-from sglang_hicache_ext.tiers.chunk_file import (
-    ChunkFileHeader,
-    ChunkLike,
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkLike, tensor_bytes
+from sglang_hicache_ext.tiers.chunks.codecs.base import CompressedLayer, DecodedLayer, KVCodec
+from sglang_hicache_ext.tiers.chunks.codecs.parse import parse_codec
+from sglang_hicache_ext.tiers.chunks.header import (
+    FIXED,
+    CompressedHeader,
     CorruptChunkError,
     RowSource,
+    encode_metadata,
     read_metadata,
-    tensor_bytes,
 )
-from sglang_hicache_ext.tiers.codecs.base import CompressedLayer, DecodedLayer, KVCodec
-from sglang_hicache_ext.tiers.codecs.parse import parse_codec
 
 MAGIC = b"HKVZ"
 VERSION = 1
-_FIXED = struct.Struct("<4sHII")  # magic, version, metadata length, metadata CRC32
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.int32)
 }
-
-
-@dataclass(frozen=True)
-class CompressedHeader:
-    key: str
-    codec: str
-    token_ids: tuple[int, ...]
-    kv_heads: int
-    key_dim: int
-    value_dim: int
-    dtype: torch.dtype
-    alpha: float
-    freq_scores: torch.Tensor  # float32 [layers, tokens]
-    layers: tuple[dict[str, Any], ...]  # offset, length, crc, tensors
-    data_offset: int
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def stored_bytes(self) -> int:
-        return self.data_offset + sum(int(layer["length"]) for layer in self.layers)
-
-    def as_chunk_header(self) -> ChunkFileHeader:
-        """The header every tier indexes chunks by (tokens, geometry, scores), pointing back
-        here for the layer table."""
-        return ChunkFileHeader(
-            key=self.key,
-            token_ids=self.token_ids,
-            num_layers=self.num_layers,
-            kv_heads=self.kv_heads,
-            key_dim=self.key_dim,
-            value_dim=self.value_dim,
-            dtype=self.dtype,
-            alpha=self.alpha,
-            row_crcs=np.empty((2, self.num_layers, 0), dtype=np.uint32),  # layers carry CRCs
-            freq_scores=self.freq_scores,
-            data_offset=self.data_offset,
-            file_len=self.stored_bytes,
-            compressed=self,
-        )
 
 
 def encode_compressed(
@@ -108,7 +63,9 @@ def encode_compressed(
             parts.append(data)
             inner += len(data)
         blob = b"".join(parts)
-        layers.append({"offset": offset, "length": len(blob), "crc": zlib.crc32(blob), "tensors": tensors})
+        layers.append(
+            {"offset": offset, "length": len(blob), "crc": zlib.crc32(blob), "tensors": tensors}
+        )
         blobs.append(blob)
         offset += len(blob)
     scores = tensor_bytes(chunk.freq_scores.to(torch.float32))
@@ -125,9 +82,7 @@ def encode_compressed(
         "scores_crc": zlib.crc32(scores),
         "layers": layers,
     }
-    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
-    fixed = _FIXED.pack(MAGIC, VERSION, len(meta_bytes), zlib.crc32(meta_bytes))
-    return fixed + meta_bytes + scores + b"".join(blobs)
+    return encode_metadata(MAGIC, VERSION, meta) + scores + b"".join(blobs)
 
 
 def is_compressed(first_bytes: bytes) -> bool:
@@ -161,9 +116,11 @@ def parse_compressed_header(
         value_dim=geometry[2],
         dtype=dtype,
         alpha=float(meta["alpha"]),
-        freq_scores=torch.frombuffer(bytearray(scores), dtype=torch.float32).reshape(len(layers), n),
+        freq_scores=torch.frombuffer(bytearray(scores), dtype=torch.float32).reshape(
+            len(layers), n
+        ),
         layers=tuple(layers),
-        data_offset=_FIXED.size + len(meta_bytes) + len(scores),
+        data_offset=FIXED.size + len(meta_bytes) + len(scores),
     )
     file.seek(0, os.SEEK_END)
     if rows_follow and file.tell() != header.stored_bytes:

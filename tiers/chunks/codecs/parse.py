@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from sglang_hicache_ext.tiers.codecs.base import KVCodec
-from sglang_hicache_ext.tiers.codecs.dropping import TokenDroppingCodec
-from sglang_hicache_ext.tiers.codecs.quantized import QuantizedCodec
-from sglang_hicache_ext.tiers.codecs.token_scores import SCORERS
+from sglang_hicache_ext.tiers.chunks.codecs.base import KVCodec
+from sglang_hicache_ext.tiers.chunks.codecs.dropping import TokenDroppingCodec
+from sglang_hicache_ext.tiers.chunks.codecs.quantized import QuantizedCodec
+from sglang_hicache_ext.tiers.chunks.codecs.token_scores import SCORERS
 
 QUANTIZED = {"int8": 8, "int4": 4}
 
 
 def codec_choices() -> str:
-    return f"int8, int4, or <scorer>:<ratio in (0, 1)> with a scorer of {', '.join(sorted(SCORERS))}"
+    return (
+        f"int8, int4, or <scorer>:<ratio in (0, 1)> with a scorer of {', '.join(sorted(SCORERS))}"
+    )
 
 
 def parse_codec(spec: str) -> KVCodec:

@@ -1,4 +1,5 @@
-"""Disk tier: pages with group, size, write time and expiry under a hard byte capacity.
+"""The page store: HiCache's pages on a local disk, with group, size, write time and expiry,
+under a hard byte capacity (the disk tier of `sglang_ext/disk_tier/`).
 
 - TTL: expiry comes from the shared `TtlPolicy` (set on write, refreshed on every read).
 - Capacity: bytes of page files (header included) never exceed `capacity_bytes`, also while
@@ -6,13 +7,14 @@
   (A page overwritten while a reader still has the old file open frees its old bytes only when
   that reader closes it; the accounting counts the files reachable by name.)
   When full, pages are dropped in order of soonest expiry (expired ones first, by construction).
-- Crash safety: see `sglang_hicache_ext.tiers.page_file`; on open the index is rebuilt from the files, stray temp
-  files and pages that fail the header check are removed (and counted); payload checksums are
-  verified on every read, and a corrupt page is dropped instead of served.
+- Crash safety: pages are written by `tiers/atomic_write.py` in the format of `page_file.py`; on
+  open the index is rebuilt from the files, stray temp files and pages that fail the header
+  check are removed (and counted); payload checksums are verified on every read, and a corrupt
+  page is dropped instead of served.
 - Readers pin an entry: neither expiry nor eviction deletes it until the last reader is done.
 - After a restart, a page's expiry is recomputed from its last access (the file's mtime, which
   every read refreshes) and the TTL table of the new process.
-- Ownership: one open store per root, in one process at a time (`sglang_hicache_ext.tiers.dir_lock`): opening must
+- Ownership: one open store per root, in one process at a time (`tiers/dir_lock.py`): opening must
   delete stray temp files, which would otherwise be another store's writes in flight.
 - Faults: OS errors never escape `put`/`get`/`touch`/`purge_expired` (False / miss / 0, logged,
   counted); only invalid arguments (an empty key, a negative TTL) raise `ValueError`: those are
@@ -32,31 +34,25 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP
+from sglang_hicache_ext.tiers.atomic_write import commit, fsync_directory, write_temp
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLock
-from sglang_hicache_ext.tiers.disk_records import (
+from sglang_hicache_ext.tiers.pages.expiry_queue import ExpiryQueue, QueuedExpiry
+from sglang_hicache_ext.tiers.pages.page_directory import PageDirectory, check_key
+from sglang_hicache_ext.tiers.pages.page_file import CorruptPageError, encode_header, read_page
+from sglang_hicache_ext.tiers.pages.page_records import (
     STAT_COUNTERS,
-    DiskStoreStats,
     IndexEntry,
     PageInfo,
+    PageStoreStats,
 )
-from sglang_hicache_ext.tiers.expiry_queue import ExpiryQueue, QueuedExpiry
-from sglang_hicache_ext.tiers.page_directory import PageDirectory, check_key
-from sglang_hicache_ext.tiers.page_file import (
-    CorruptPageError,
-    commit,
-    encode_header,
-    fsync_directory,
-    read_page,
-    write_temp,
-)
-from sglang_hicache_ext.tiers.ttl_policy import TtlPolicy
+from sglang_hicache_ext.tiers.pages.ttl_policy import TtlPolicy
 
 logger = logging.getLogger(__name__)
 
 STORE_LOCK_NAME = "store.lock"  # in the root, beside `pages/`
 
 
-class DiskStore:
+class PageStore:
     """Thread-safe TTL page store on a local directory. Keys are strings, values bytes."""
 
     def __init__(
@@ -280,9 +276,9 @@ class DiskStore:
                 removed += self._release_if_doomed(item.entry)
         return removed
 
-    def stats(self) -> DiskStoreStats:
+    def stats(self) -> PageStoreStats:
         with self._lock:
-            return DiskStoreStats(
+            return PageStoreStats(
                 entries=len(self._entries),
                 used_bytes=self._used,
                 reserved_bytes=self._reserved,
@@ -312,7 +308,7 @@ class DiskStore:
             self._closed = True
         self._dir_lock.release()
 
-    def __enter__(self) -> DiskStore:
+    def __enter__(self) -> PageStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

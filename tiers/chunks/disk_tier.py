@@ -1,6 +1,6 @@
 """Local-disk tier of precomputed chunks: one crash-safe file per chunk, a byte budget, LRU.
 
-A chunk is stored dense, or compressed by a codec (`chunk_forms.py`): the budget counts the
+A chunk is stored dense, or compressed by a codec (`stored_forms.py`): the budget counts the
 bytes on disk, so compressed chunks let the tier hold more, and reading them moves fewer bytes.
 
 Chunks survive a restart: opening the directory indexes every chunk file whose header verifies
@@ -26,25 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from sglang_hicache_ext.tiers.chunk_file import (
-    CHUNK_SUFFIX,
-    ChunkFileHeader,
-    ChunkLike,
-    ChunkTensors,
-    CorruptChunkError,
-)
-from sglang_hicache_ext.tiers.chunk_forms import (
+from sglang_hicache_ext.tiers.atomic_write import TEMP_SUFFIX, commit, fsync_directory, write_temp
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
+from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader, CorruptChunkError
+from sglang_hicache_ext.tiers.chunks.stored_forms import (
     LayerRows,
     StoredBlob,
-    encode_stored,
     load_stored,
     read_header,
     read_layer_rows,
 )
-from sglang_hicache_ext.tiers.codecs.base import KVCodec
-from sglang_hicache_ext.tiers.page_file import TEMP_SUFFIX, commit, fsync_directory, write_temp
+from sglang_hicache_ext.tiers.chunks.tier import ChunkTier
 
 logger = logging.getLogger(__name__)
+
+CHUNK_SUFFIX = ".chunk"  # a chunk's file in the tier's directory: `<key>.chunk`, either form
 
 
 @dataclass(frozen=True)
@@ -88,7 +84,7 @@ class ChunkReader:
         self._closer()
 
 
-class ChunkDiskTier:
+class ChunkDiskTier(ChunkTier[ChunkDiskStats]):
     """Thread-safe directory of chunk files under a byte budget (least recently used evicted).
 
     `read_bytes_per_s` caps the read rate (benchmarks emulate a slower medium with it)."""
@@ -151,13 +147,8 @@ class ChunkDiskTier:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(self, key: str, chunk: ChunkLike, codec: KVCodec | None = None) -> bool:
-        """Store `chunk` under `key` (compressed by `codec` if given); False (logged, counted)
-        if it cannot be written."""
-        return self.put_stored(key, *encode_stored(key, chunk, codec))
-
     def put_stored(self, key: str, header: bytes, rows: bytes) -> bool:
-        """`put` of a chunk already encoded (`chunk_forms.encode_stored`)."""
+        """`put` of a chunk already encoded (`stored_forms.encode_stored`)."""
         size = len(header) + len(rows)
         if size > self.capacity_bytes:
             self._failed_write(key, f"{size} bytes exceed the tier's {self.capacity_bytes}")

@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from sglang_hicache_ext.tiers.codecs.base import CompressedLayer, DecodedLayer, KVCodec
-from sglang_hicache_ext.tiers.codecs.token_scores import SCORERS, TokenScorer
+from sglang_hicache_ext.tiers.chunks.codecs.base import CompressedLayer, DecodedLayer, KVCodec
+from sglang_hicache_ext.tiers.chunks.codecs.token_scores import SCORERS, TokenScorer
 
 
 class TokenDroppingCodec(KVCodec):

@@ -1,4 +1,4 @@
-"""The page files of a disk store's `pages/` folder: where a key's file lives, listing,
+"""The page files of a page store's `pages/` folder: where a key's file lives, listing,
 deleting, and the checks that decide which files an opening store may index.
 
 OS errors are logged and counted in the store's counters (`io_errors`, `corrupt_pages`,
@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from sglang_hicache_ext.tiers.page_file import (
+from sglang_hicache_ext.tiers.atomic_write import TEMP_SUFFIX
+from sglang_hicache_ext.tiers.pages.page_file import (
     PAGE_SUFFIX,
-    TEMP_SUFFIX,
     CorruptPageError,
     PageHeader,
     read_header,

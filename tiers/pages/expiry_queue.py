@@ -1,4 +1,4 @@
-"""The disk store's index entries ordered by expiry, soonest first (expiry and eviction order)."""
+"""The page store's index entries ordered by expiry, soonest first (expiry and eviction order)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from sglang_hicache_ext.tiers.disk_records import IndexEntry
+from sglang_hicache_ext.tiers.pages.page_records import IndexEntry
 
 
 class QueuedExpiry(NamedTuple):

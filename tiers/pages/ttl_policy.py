@@ -1,7 +1,8 @@
 """The one TTL policy of the project: a TTL per group, expiry on write, refresh on access.
 
-Used by the disk store (`sglang_hicache_ext.tiers.disk_store`), the trace replay (`sglang_hicache_ext.tuning.ttl.replay`) and any later
-simulator or SGLang storage backend, so that "when does a page expire" has a single definition.
+Used by the page store (`tiers/pages/page_store.py`), the trace replay (`tuning/ttl/replay.py`)
+and any later simulator or SGLang storage backend, so that "when does a page expire" has a single
+definition.
 
 Semantics (those of Redis `EXPIRE`): every write *and* every read of a page sets its expiry to
 `now + ttl(group)`. A new TTL table applies to pages from their next write or access on; pages

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_hicache_ext.tiers.codecs.base import CompressedLayer, DecodedLayer, KVCodec
+from sglang_hicache_ext.tiers.chunks.codecs.base import CompressedLayer, DecodedLayer, KVCodec
 
 DEFAULT_GROUP = 64
 

@@ -40,5 +40,7 @@ def context_profile(
     for tier in tiers:
         for codec, nbytes in costs.stored_bytes.items():
             move_s = 0.0 if tier.bytes_per_s is None else nbytes / tier.bytes_per_s
-            options.append(Option(tier.name, codec, nbytes, costs.quality[codec], costs.fused_s + move_s))
+            options.append(
+                Option(tier.name, codec, nbytes, costs.quality[codec], costs.fused_s + move_s)
+            )
     return ContextProfile(key, frequency, tuple(options))

@@ -1,4 +1,4 @@
-"""Registered chunks across storage tiers: host memory, a local disk, a store shared by servers.
+"""Registered chunks across the tiers: host memory, a local disk, a Mooncake Store servers share.
 
 Writes go through: a chunk put in host memory is written to disk at once (when the server
 answers a registration, its chunk is on disk and survives a crash). Host memory is an LRU cache
@@ -32,12 +32,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, cast
 
-from sglang_hicache_ext.tiers.chunk_disk import ChunkDiskStats, ChunkDiskTier, ChunkReader
-from sglang_hicache_ext.tiers.chunk_file import ChunkFileHeader, ChunkLike, ChunkTensors
-from sglang_hicache_ext.tiers.chunk_forms import StoredBlob, blob_of, check_storable, encode_stored
-from sglang_hicache_ext.tiers.chunk_remote import ChunkRemoteStats, ChunkRemoteTier
-from sglang_hicache_ext.tiers.chunk_store import ChunkStore, ChunkStoreStats, StoreFullError, V
-from sglang_hicache_ext.tiers.codecs.base import KVCodec
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkLike, ChunkTensors
+from sglang_hicache_ext.tiers.chunks.codecs.base import KVCodec
+from sglang_hicache_ext.tiers.chunks.dense_file import check_storable
+from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskStats, ChunkDiskTier, ChunkReader
+from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader
+from sglang_hicache_ext.tiers.chunks.host_cache import (
+    HostCacheFullError,
+    HostCacheStats,
+    HostChunkCache,
+    V,
+)
+from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteStats, ChunkRemoteTier
+from sglang_hicache_ext.tiers.chunks.stored_forms import StoredBlob, blob_of, encode_stored
+from sglang_hicache_ext.tiers.chunks.tier import ChunkTier
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +75,7 @@ class Pinned(NamedTuple):
 
 @dataclass(frozen=True)
 class TierStats:
-    host: ChunkStoreStats
+    host: HostCacheStats
     disk: ChunkDiskStats | None
     remote: ChunkRemoteStats | None
     lookups: dict[str, int]  # fusion lookups answered per tier, and "miss"
@@ -83,13 +91,13 @@ def summary_of_header(header: ChunkFileHeader) -> ChunkSummary:
     return ChunkSummary(header.num_tokens, header.num_layers, in_memory, header.codec)
 
 
-class TieredChunkStore(Generic[V]):
-    """Host memory (`ChunkStore`) in front of an optional `ChunkDiskTier` and an optional
-    `ChunkRemoteTier`."""
+class ChunkTiers(Generic[V]):
+    """Host memory (`HostChunkCache`) in front of the `ChunkTier`s it has: an optional
+    `ChunkDiskTier` and an optional `ChunkRemoteTier`."""
 
     def __init__(
         self,
-        host: ChunkStore[V],
+        host: HostChunkCache[V],
         disk: ChunkDiskTier | None,
         rebuild: Callable[[ChunkTensors | StoredBlob], V],
         summarize: Callable[[V], ChunkSummary],
@@ -119,30 +127,25 @@ class TieredChunkStore(Generic[V]):
         # held by the request only, counted so that `unpin` balances.
         self._loans: Counter[str] = Counter()
         self._dropped_below: list[str] = []
-        for lower in (disk, remote):
-            if lower is not None:
-                lower.on_drop = self._note_drop
+        for lower in self._lower().values():
+            lower.on_drop = self._note_drop
+
+    def _lower(self) -> dict[str, ChunkTier[Any]]:
+        """The tiers below host memory, by name, fastest first (those configured)."""
+        present: dict[str, ChunkTier[Any] | None] = {DISK: self.disk, MOONCAKE: self.remote}
+        return {name: tier for name, tier in present.items() if tier is not None}
 
     @property
     def tiers(self) -> tuple[str, ...]:
-        present = ((DISK, self.disk), (MOONCAKE, self.remote))
-        return (HOST, *(name for name, tier in present if tier is not None))
+        return (HOST, *self._lower())
 
     def __contains__(self, key: object) -> bool:
-        return (
-            key in self.host
-            or (self.disk is not None and key in self.disk)
-            or (self.remote is not None and key in self.remote)
-        )
+        return key in self.host or any(key in lower for lower in self._lower().values())
 
     def tiers_of(self, key: str) -> list[str]:
         """The tiers holding `key`, fastest first."""
         held = [HOST] if key in self.host else []
-        if self.disk is not None and key in self.disk:
-            held.append(DISK)
-        if self.remote is not None and key in self.remote:
-            held.append(MOONCAKE)
-        return held
+        return held + [name for name, lower in self._lower().items() if key in lower]
 
     def stored_keys(self) -> list[str]:
         """Every stored key: host memory's (least recent first), then those only on disk, then
@@ -192,7 +195,7 @@ class TieredChunkStore(Generic[V]):
         the compressed bytes too, so every tier gives back the same rows); the keys no tier
         holds any more (drop them from indexes).
 
-        Raises StoreFullError only when no tier took it (host memory pinned full, and no lower
+        Raises HostCacheFullError only when no tier took it (host memory pinned full, and no lower
         tier or every lower write failed)."""
         below = False
         # Host memory alone keeps dense rows as tensors: no file form (a checksum per row).
@@ -200,14 +203,13 @@ class TieredChunkStore(Generic[V]):
             check_storable(cast(ChunkLike, chunk))  # the owner's chunk type has the fields
         else:
             header, rows = encode_stored(key, cast(ChunkLike, chunk), codec)  # once for all
-            for lower in (self.disk, self.remote):  # failed writes are logged, counted there
-                if lower is not None:
-                    below = lower.put_stored(key, header, rows) or below
+            for lower in self._lower().values():  # failed writes are logged, counted there
+                below = lower.put_stored(key, header, rows) or below
             if codec is not None:
                 chunk = self._rebuild(blob_of(key, header, rows))
         try:
             evicted = self.host.put(key, chunk)
-        except StoreFullError:
+        except HostCacheFullError:
             if not below:
                 raise
             evicted = []
@@ -224,10 +226,8 @@ class TieredChunkStore(Generic[V]):
                 return False
         elif key not in self:
             raise KeyError(key)
-        if self.disk is not None:
-            self.disk.remove(key)
-        if self.remote is not None:
-            self.remote.remove(key)  # for every server sharing it
+        for lower in self._lower().values():  # the shared tier's copy: for every server sharing it
+            lower.remove(key)
         return True
 
     def replace_in_host(self, key: str, chunk: V | None) -> bool:
@@ -253,7 +253,7 @@ class TieredChunkStore(Generic[V]):
                 return False  # nothing is evicted for a placed form
             try:
                 self.host.put(key, chunk, evict=False)
-            except StoreFullError:
+            except HostCacheFullError:
                 return False
             return True
 
@@ -289,11 +289,11 @@ class TieredChunkStore(Generic[V]):
         self._count_lookup(tier)
         try:
             if not self.promote_on_read:
-                raise StoreFullError("not promoted")  # handled alike: a loan
+                raise HostCacheFullError("not promoted")  # handled alike: a loan
             evicted = self.host.put(key, chunk)
             self.host.pin(key)
             self._add("promotions")
-        except StoreFullError:  # host memory pinned full (or no promotion): a loan
+        except HostCacheFullError:  # host memory pinned full (or no promotion): a loan
             evicted = []
             with self._lock:
                 self._loans[key] += 1
@@ -324,7 +324,7 @@ class TieredChunkStore(Generic[V]):
                     return False
                 # if_absent: a placement may have put its own form of it meanwhile.
                 evicted = self.host.put(key, self._rebuild(tensors), if_absent=True)
-        except StoreFullError:
+        except HostCacheFullError:
             return False
         self._add("promotions")
         lost = self._settle(evicted)

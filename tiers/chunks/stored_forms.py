@@ -1,6 +1,6 @@
 """A chunk in either of its stored forms, told apart by the first bytes: dense rows
-(`chunk_file.py`: sparse reads, each row checked) or compressed by a codec
-(`codecs/compressed_file.py`: a layer read whole, checked, then decoded). The disk and shared
+(`dense_file.py`: sparse reads, each row checked) or compressed by a codec
+(`compressed_file.py`: a layer read whole, checked, then decoded). The disk and shared
 tiers store and read through these functions, so either form works on every tier.
 
 A compressed chunk is held as its stored bytes (`StoredBlob`) in host memory too: the host
@@ -22,27 +22,24 @@ from typing import BinaryIO, NamedTuple
 
 import torch
 
-from sglang_hicache_ext.tiers.chunk_file import (
-    ChunkFileHeader,
-    ChunkLike,
-    ChunkTensors,
-    CorruptChunkError,
-    RowSource,
-    check_storable,
-    encode_chunk,
-    parse_header,
-    read_rows,
-)
-from sglang_hicache_ext.tiers.codecs.base import KVCodec
-from sglang_hicache_ext.tiers.codecs.compressed_file import (
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkLike, ChunkTensors
+from sglang_hicache_ext.tiers.chunks.codecs.base import KVCodec
+from sglang_hicache_ext.tiers.chunks.codecs.dropping import TokenDroppingCodec
+from sglang_hicache_ext.tiers.chunks.codecs.parse import QUANTIZED, parse_codec
+from sglang_hicache_ext.tiers.chunks.compressed_file import (
     check_layer_blob,
     decode_layer,
     encode_compressed,
     is_compressed,
     parse_compressed_header,
 )
-from sglang_hicache_ext.tiers.codecs.dropping import TokenDroppingCodec
-from sglang_hicache_ext.tiers.codecs.parse import QUANTIZED, parse_codec
+from sglang_hicache_ext.tiers.chunks.dense_file import (
+    check_storable,
+    encode_chunk,
+    parse_header,
+    read_rows,
+)
+from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader, CorruptChunkError, RowSource
 
 
 class LayerRows(NamedTuple):
@@ -131,7 +128,7 @@ def through_codec(chunk: ChunkLike, codec: KVCodec) -> ChunkTensors:
 
 
 def parse_stored_header(file: BinaryIO, name: str, rows_follow: bool = True) -> ChunkFileHeader:
-    """The verified header of either form (see `chunk_file.parse_header`)."""
+    """The verified header of either form (see `dense_file.parse_header`)."""
     first = file.read(4)
     file.seek(0)
     if is_compressed(first):

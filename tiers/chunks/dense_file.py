@@ -1,8 +1,8 @@
-"""On-disk format of one precomputed chunk, laid out so that a reader can fetch only some rows.
+"""Stored form of a chunk as dense rows, laid out so that a reader can fetch only some rows.
 
 Layout: fixed part | metadata (JSON) | row checksums | frequency scores | K/V rows.
 
-- fixed part: magic, version, metadata length, CRC32 of the metadata;
+- fixed part: magic, version, metadata length, CRC32 of the metadata (`header.py`);
 - metadata: key, token ids, geometry, dtype, alpha, and the CRC32 of the checksum table and of
   the scores (so a verified metadata block vouches for both);
 - row checksums: CRC32 of every token row of every layer, K and V apart ([2, layers, tokens]);
@@ -11,117 +11,35 @@ Layout: fixed part | metadata (JSON) | row checksums | frequency scores | K/V ro
 
 Per-row checksums are what make sparse reads safe: a reader that loads 85 % of the rows verifies
 exactly those, instead of reading a whole layer to check one checksum. Files are written through
-`tiers/page_file.py`'s crash-safe path (temp file, fsync, atomic rename, directory fsync).
+`tiers/atomic_write.py` (temp file, fsync, atomic rename, directory fsync).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, NamedTuple, Protocol
+from typing import BinaryIO
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from sglang_hicache_ext.tiers.codecs.compressed_file import CompressedHeader
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkLike, tensor_bytes
+from sglang_hicache_ext.tiers.chunks.header import (
+    ChunkFileHeader,
+    CorruptChunkError,
+    RowSource,
+    encode_metadata,
+    read_metadata,
+)
 
 MAGIC = b"HKVC"
 VERSION = 1
-CHUNK_SUFFIX = ".chunk"
-_FIXED = struct.Struct("<4sHII")  # magic, version, metadata length, metadata CRC32
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (torch.float32, torch.float16, torch.bfloat16)
 }
-
-
-class ChunkLike(Protocol):
-    """What a stored chunk is made of (`fusion.chunk.PrecomputedChunk` is one)."""
-
-    @property
-    def token_ids(self) -> tuple[int, ...]: ...
-    @property
-    def keys(self) -> tuple[torch.Tensor, ...]: ...
-    @property
-    def values(self) -> tuple[torch.Tensor, ...]: ...
-    @property
-    def freq_scores(self) -> torch.Tensor: ...
-    @property
-    def alpha(self) -> float: ...
-
-
-class ChunkTensors(NamedTuple):
-    """A chunk read back: the fields of `fusion.chunk.PrecomputedChunk`, in its order (storage
-    does not import fusion; `PrecomputedChunk(*tensors)` rebuilds one)."""
-
-    token_ids: tuple[int, ...]
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-    freq_scores: torch.Tensor
-    alpha: float
-
-
-class CorruptChunkError(Exception):
-    """A chunk file is truncated, fails a checksum, or is not a chunk file."""
-
-
-@dataclass(frozen=True)
-class ChunkFileHeader:
-    """What a chunk file holds, and where each row lies (all verified when read)."""
-
-    key: str
-    token_ids: tuple[int, ...]
-    num_layers: int
-    kv_heads: int
-    key_dim: int
-    value_dim: int
-    dtype: torch.dtype
-    alpha: float
-    row_crcs: np.ndarray  # uint32 [2, layers, tokens]: K rows then V rows
-    freq_scores: torch.Tensor  # float32 [layers, tokens]
-    data_offset: int
-    file_len: int
-    # Set for a chunk stored compressed (`codecs/compressed_file.py`): its layer table. Its
-    # rows are then read a whole layer at a time and decoded; `row_crcs` is empty.
-    compressed: CompressedHeader | None = None
-
-    @property
-    def codec(self) -> str | None:
-        """The codec of a compressed chunk; None for dense rows."""
-        return None if self.compressed is None else self.compressed.codec
-
-    @property
-    def stored_bytes(self) -> int:
-        if self.compressed is not None:
-            return self.compressed.stored_bytes
-        return self.data_offset + self.num_layers * self.layer_bytes
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def key_row_bytes(self) -> int:
-        return self.kv_heads * self.key_dim * self.dtype.itemsize
-
-    @property
-    def value_row_bytes(self) -> int:
-        return self.kv_heads * self.value_dim * self.dtype.itemsize
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.num_tokens * (self.key_row_bytes + self.value_row_bytes)
-
-    def key_offset(self, layer: int) -> int:
-        return self.data_offset + layer * self.layer_bytes
-
-    def value_offset(self, layer: int) -> int:
-        return self.key_offset(layer) + self.num_tokens * self.key_row_bytes
 
 
 def check_storable(chunk: ChunkLike) -> None:
@@ -160,28 +78,7 @@ def encode_chunk(key: str, chunk: ChunkLike) -> tuple[bytes, bytes]:
         "table_crc": zlib.crc32(table),
         "scores_crc": zlib.crc32(scores),
     }
-    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
-    fixed = _FIXED.pack(MAGIC, VERSION, len(meta_bytes), zlib.crc32(meta_bytes))
-    return fixed + meta_bytes + table + scores, b"".join(layers)
-
-
-# Where rows are read from: an open file's descriptor, or the whole encoded chunk in memory
-# (an object fetched from a remote store).
-RowSource = int | bytes | memoryview
-
-
-def read_metadata(file: BinaryIO, name: str, magic: bytes, version: int, what: str) -> bytes:
-    """The metadata block after the fixed part (magic, version, length, CRC32), verified."""
-    fixed = file.read(_FIXED.size)
-    if len(fixed) != _FIXED.size:
-        raise CorruptChunkError(f"{name}: truncated header")
-    found_magic, found_version, meta_len, meta_crc = _FIXED.unpack(fixed)
-    if found_magic != magic or found_version != version:
-        raise CorruptChunkError(f"{name}: not {what} (bad magic or version)")
-    meta_bytes = file.read(meta_len)
-    if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
-        raise CorruptChunkError(f"{name}: metadata checksum mismatch")
-    return meta_bytes
+    return encode_metadata(MAGIC, VERSION, meta) + table + scores, b"".join(layers)
 
 
 def parse_header(file: BinaryIO, name: str, rows_follow: bool = True) -> ChunkFileHeader:
@@ -279,12 +176,6 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((row, 1))
     return runs
-
-
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The raw bytes of a tensor (CPU, contiguous), as stored files hold them."""
-    # reshape(-1): one stride of 1 even where a size-1 dimension kept an odd one
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _tensor_of(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

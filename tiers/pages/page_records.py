@@ -1,4 +1,4 @@
-"""Records of the disk store's index: the mutable entry per page and the frozen views it reports."""
+"""Records of the page store's index: the mutable entry per page and the frozen views it reports."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class PageInfo:
 
 
 @dataclass(frozen=True)
-class DiskStoreStats:
+class PageStoreStats:
     entries: int
     used_bytes: int
     reserved_bytes: int
@@ -35,7 +35,7 @@ class DiskStoreStats:
     io_errors: int  # other OS errors: listing, stat, delete, read (the page is dropped)
 
 
-# The counters of `DiskStoreStats`, kept by the store (and its page directory) under its lock.
+# The counters of `PageStoreStats`, kept by the store (and its page directory) under its lock.
 STAT_COUNTERS = (
     "hits",
     "misses",

@@ -1,24 +1,21 @@
-"""On-disk format of one page and crash-safe file operations.
+"""On-disk format of one page.
 
 Layout: fixed header | key (utf-8) | group (utf-8) | header CRC32 | payload. The header CRC covers
-everything before it; the payload CRC32 is stored in the header and checked on every read. A
-page becomes visible only by an atomic rename of a fully written and fsync'ed temp file in the
-same directory (then the directory is fsync'ed), so a crash leaves either the old file, the new
-file, or a stray `*.tmp`.
+everything before it; the payload CRC32 is stored in the header and checked on every read. Pages
+are written through `tiers/atomic_write.py` (temp file, fsync, atomic rename, directory fsync),
+so a crash leaves either the old file, the new file, or a stray temp file.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import uuid
 import zlib
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 MAGIC = b"HKVP"
 VERSION = 1
-TEMP_SUFFIX = ".tmp"
 PAGE_SUFFIX = ".page"
 _FIXED = struct.Struct("<4sHHHQddI")  # magic, version, key len, group len, payload len,
 # write time, expiry at write, payload crc
@@ -86,51 +83,6 @@ def read_page(path: Path, expected_key: str) -> tuple[PageHeader, bytes]:
     if zlib.crc32(payload) != header.payload_crc:
         raise CorruptPageError(f"{path}: payload checksum mismatch")
     return header, payload
-
-
-def write_temp(path: Path, header: bytes, payload: bytes, mtime: float) -> Path:
-    """Fully write and fsync a temp file beside `path`; `commit` makes it visible.
-
-    `mtime` is the page's last-access time (the store's clock), kept in the file's mtime.
-    """
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _write_all(fd, header)
-            _write_all(fd, payload)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.utime(temp, (mtime, mtime))
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    return temp
-
-
-def commit(temp: Path, path: Path) -> None:
-    """Atomically replace `path` by `temp` (readers see the old or the new page, never a mix)."""
-    try:
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
-def fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
 
 
 def _parse_header(file: BinaryIO) -> PageHeader:

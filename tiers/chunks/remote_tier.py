@@ -1,9 +1,9 @@
 """Shared tier of precomputed chunks in a remote object store (Mooncake Store), for many servers.
 
-A chunk is two objects under `hicache_ext/<namespace>/<key>`: the encoded chunk (the disk
-format of `tiers/chunk_file.py`, header and checksummed rows), and its header alone (`.header`)
-so that another server can index the chunk, by its tokens, without fetching the rows. The data
-object is written first: a header seen by a reader always has its rows written before it.
+A chunk is two objects under `hicache_ext/<namespace>/<key>`: the encoded chunk (either form of
+`stored_forms.py`, as on disk: header, then checksummed rows or layers), and its header alone
+(`.header`) so that another server can index the chunk, by its tokens, without fetching the rows.
+The data object is written first: a header seen by a reader always has its rows written before it.
 
 A server knows the chunks it wrote and those it discovered by key (`discover`, on a registration
 of the same tokens); the store has no listing. Every read is verified (a chunk that fails is
@@ -25,20 +25,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sglang_hicache_ext.tiers.chunk_file import (
-    ChunkFileHeader,
-    ChunkLike,
-    ChunkTensors,
-    CorruptChunkError,
-)
-from sglang_hicache_ext.tiers.chunk_forms import (
+from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
+from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader, CorruptChunkError
+from sglang_hicache_ext.tiers.chunks.mooncake_client import ObjectStoreClient, RemoteStoreError
+from sglang_hicache_ext.tiers.chunks.stored_forms import (
     StoredBlob,
-    encode_stored,
     load_stored,
     parse_stored_header,
 )
-from sglang_hicache_ext.tiers.codecs.base import KVCodec
-from sglang_hicache_ext.tiers.mooncake_store import ObjectStore, RemoteStoreError
+from sglang_hicache_ext.tiers.chunks.tier import ChunkTier
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +55,12 @@ class ChunkRemoteStats:
     read_s: float  # time spent fetching and verifying
 
 
-class ChunkRemoteTier:
-    """Chunks in an `ObjectStore` shared with other servers (thread-safe)."""
+class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
+    """Chunks in a store shared with other servers, through its client (thread-safe)."""
 
-    def __init__(self, store: ObjectStore, namespace: str, retry_after_s: float = 5.0) -> None:
+    def __init__(
+        self, store: ObjectStoreClient, namespace: str, retry_after_s: float = 5.0
+    ) -> None:
         self.store = store
         self.prefix = f"hicache_ext/{namespace}/"
         self.retry_after_s = retry_after_s
@@ -94,13 +91,8 @@ class ChunkRemoteTier:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(self, key: str, chunk: ChunkLike, codec: KVCodec | None = None) -> bool:
-        """Store `chunk` under `key` (compressed by `codec` if given); False (logged, counted)
-        if the store does not take it."""
-        return self.put_stored(key, *encode_stored(key, chunk, codec))
-
     def put_stored(self, key: str, header: bytes, rows: bytes) -> bool:
-        """`put` of a chunk already encoded (`chunk_forms.encode_stored`)."""
+        """`put` of a chunk already encoded (`stored_forms.encode_stored`)."""
         try:
             self._check_reachable()
             self.store.put(self.prefix + key, header + rows)

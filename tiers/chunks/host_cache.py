@@ -1,4 +1,4 @@
-"""Host-memory store of precomputed chunk KV with a byte capacity and LRU eviction (v1).
+"""Host memory's cache of precomputed chunk KV, with a byte capacity and LRU eviction.
 
 Keys are content hashes of the chunk's token ids (the same text always maps to the same entry,
 so registration is idempotent). Values are any object that reports its size in `nbytes`
@@ -23,12 +23,12 @@ class HasNbytes(Protocol):
 V = TypeVar("V", bound=HasNbytes)
 
 
-class StoreFullError(RuntimeError):
+class HostCacheFullError(RuntimeError):
     """The entry does not fit even after evicting every unpinned entry."""
 
 
 @dataclass(frozen=True)
-class ChunkStoreStats:
+class HostCacheStats:
     entries: int
     bytes_used: int
     capacity_bytes: int
@@ -38,7 +38,7 @@ class ChunkStoreStats:
     rejected: int
 
 
-class ChunkStore(Generic[V]):
+class HostChunkCache(Generic[V]):
     """Thread-safe LRU by bytes; `get` refreshes recency; `pin`/`unpin` protect entries in use."""
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -72,12 +72,13 @@ class ChunkStore(Generic[V]):
     def put(self, key: str, value: V, *, evict: bool = True, if_absent: bool = False) -> list[str]:
         """Store `value`; returns the keys evicted to make room. Re-putting a key replaces it
         (unless `if_absent`: then a stored key is left as it is). Without `evict`, a value that
-        does not fit in the free bytes is refused (StoreFullError) instead of evicting others."""
+        does not fit in the free bytes is refused (HostCacheFullError) instead of evicting
+        others."""
         size = int(value.nbytes)
         with self._lock:
             if size > self._capacity:
                 self._counts["rejected"] += 1
-                raise StoreFullError(
+                raise HostCacheFullError(
                     f"entry {key[:12]} needs {size} bytes; the store holds {self._capacity}"
                 )
             if if_absent and key in self._entries:
@@ -91,7 +92,7 @@ class ChunkStore(Generic[V]):
                     self._entries[key] = old
                     self._bytes += int(old.nbytes)
                 self._counts["rejected"] += 1
-                raise StoreFullError(
+                raise HostCacheFullError(
                     f"entry {key[:12]} needs {size} bytes; {self._capacity - self._bytes} are free "
                     "and the rest is pinned by running requests"
                 )
@@ -148,10 +149,10 @@ class ChunkStore(Generic[V]):
             else:
                 self._pins[key] = count - 1
 
-    def stats(self) -> ChunkStoreStats:
+    def stats(self) -> HostCacheStats:
         with self._lock:
             occupancy = (len(self._entries), self._bytes, self._capacity)
-            return ChunkStoreStats(*occupancy, **self._counts)
+            return HostCacheStats(*occupancy, **self._counts)
 
     def _make_room(self, size: int) -> list[str]:
         evicted: list[str] = []
