@@ -52,6 +52,7 @@ models-qwen: env
 
 test: env models
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: env models
@@ -59,6 +60,7 @@ demo: env models
 
 lint: env
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench-cpu-attention: env models
 	$(PY) -m benchmarks.cpu_attention

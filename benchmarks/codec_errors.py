@@ -113,7 +113,9 @@ def measure(chunks: list[Any]) -> dict[str, Any]:
             else "rows dropped (exact kept rows)"
         )
         median_tokens = statistics.median(chunk.num_tokens for chunk in chunks)
-        print(f"{spec} ({median_tokens:.0f}-token chunks): {row['stored_vs_fp32']:.3f}x fp32, {errors}")
+        print(
+            f"{spec} ({median_tokens:.0f}-token chunks): {row['stored_vs_fp32']:.3f}x fp32, {errors}"
+        )
     return report
 
 

@@ -126,7 +126,9 @@ def measure(url: str, prompts: list[str], args: Any) -> dict[str, Any]:
             for mode, capacity in modes.items():
                 rounds[mode].append(one_round(url, prompts[:batch], args.decode_tokens, capacity))
                 print(f"batch {batch} round {repeat} {mode}: {rounds[mode][-1]['step_s']:.4f} s")
-        steps = {mode: statistics.median(r["step_s"] for r in runs) for mode, runs in rounds.items()}
+        steps = {
+            mode: statistics.median(r["step_s"] for r in runs) for mode, runs in rounds.items()
+        }
         base, evicted = steps.values()
         out[str(batch)] = {
             "median_step_s": steps,

@@ -88,7 +88,9 @@ def measure(model_path: str, sleep_on_idle: bool, settle_s: float, window_s: flo
             requests.post(url + "/generate", json=body, timeout=300).raise_for_status()
             time.sleep(settle_s)
             before, started = group_cpu_seconds(process.pid), time.monotonic()
-            for _ in tqdm(range(int(window_s)), desc=f"idle, sleep_on_idle={sleep_on_idle}", disable=None):
+            for _ in tqdm(
+                range(int(window_s)), desc=f"idle, sleep_on_idle={sleep_on_idle}", disable=None
+            ):
                 time.sleep(1.0)
             cpu_s = group_cpu_seconds(process.pid) - before
             elapsed = time.monotonic() - started

@@ -120,9 +120,7 @@ def _register(url: str, text: str, codec: str) -> dict[str, Any]:
 
 
 def _request(url: str, prompt: str) -> tuple[float, dict[str, Any]]:
-    seconds, meta = timed_generate(
-        url, prompt, {"fusion": True, "fusion_recompute_ratio": RATIO}
-    )
+    seconds, meta = timed_generate(url, prompt, {"fusion": True, "fusion_recompute_ratio": RATIO})
     (info, *_) = meta.get("hicache_ext_fusion") or [{}]
     return seconds, {"prompt_tokens": meta["prompt_tokens"], **info}
 
@@ -146,7 +144,9 @@ def profile_costs(contexts: list[Context], throttle: int) -> dict[str, Any]:
         "bytes_per_token": {"none": dense, **per_token},
         "dense_bytes_per_token": dense,
         "full_s_per_token": statistics.median(s / n for s, n in zip(full, tokens, strict=True)),
-        "fused_s_per_token": statistics.median(s / n for (s, _), n in zip(fused, tokens, strict=True)),
+        "fused_s_per_token": statistics.median(
+            s / n for (s, _), n in zip(fused, tokens, strict=True)
+        ),
         "disk_bytes_per_s": throttle,
     }
 
@@ -268,7 +268,9 @@ def summarize(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "ttft_ratio_best_fixed_over_ours": None
             if best is None
             else near[best]["mean_ttft_s"] / ours["mean_ttft_s"],
-            "ttft_ratio_by_policy": {k: v["mean_ttft_s"] / ours["mean_ttft_s"] for k, v in fixed.items()},
+            "ttft_ratio_by_policy": {
+                k: v["mean_ttft_s"] / ours["mean_ttft_s"] for k, v in fixed.items()
+            },
         }
     return summary
 
@@ -280,7 +282,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=80)
     parser.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of popularity")
     parser.add_argument("--dram-fraction", type=float, default=0.3)
-    parser.add_argument("--alpha", type=float, default=20.0, help="seconds of TTFT per unit quality")
+    parser.add_argument(
+        "--alpha", type=float, default=20.0, help="seconds of TTFT per unit quality"
+    )
     parser.add_argument("--quality-floor", type=float, default=0.9)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=11)
@@ -314,7 +318,10 @@ def main() -> int:
             plan if policy == "evicpress" else None,
             (args.alpha, args.quality_floor),
         )
-        print(policy, {k: results[policy][k] for k in ("mean_ttft_s", "mean_quality", "chunk_hits_by_tier")})
+        print(
+            policy,
+            {k: results[policy][k] for k in ("mean_ttft_s", "mean_quality", "chunk_hits_by_tier")},
+        )
         args.out.with_suffix(".partial.json").write_text(json.dumps(results) + "\n")
     report = {
         "benchmark": "placement",

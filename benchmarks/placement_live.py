@@ -24,7 +24,9 @@ def place_live(
     body = {"alpha": alpha, "quality_floor": quality_floor, "profile_chunks": 100_000}
     response = requests.post(url + "/hicache_ext/placement", json=body, timeout=3600)
     if response.status_code != 200:
-        raise RuntimeError(f"/hicache_ext/placement answered {response.status_code}: {response.text}")
+        raise RuntimeError(
+            f"/hicache_ext/placement answered {response.status_code}: {response.text}"
+        )
     result = response.json()
     listing = requests.get(url + "/chunks", timeout=60).json()["chunks"]
     form = {c["id"]: c["codec"] or "none" for c in listing}

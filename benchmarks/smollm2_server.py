@@ -49,5 +49,7 @@ def server_benchmark_parser(doc: str, result_name: str) -> argparse.ArgumentPars
     `benchmarks/results/<result_name>`."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS / result_name)
-    parser.add_argument("--repeats", type=int, default=5, help="prompts measured; medians over them")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="prompts measured; medians over them"
+    )
     return parser

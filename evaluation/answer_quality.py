@@ -38,7 +38,9 @@ def mean_answer_f1(reference: Sequence[str], answers: Sequence[str]) -> float:
     """Mean token F1 of `answers` against `reference`, pair by pair (1.0: the same answers); two
     empty answers are the same answer (the formula alone gives them 0)."""
     if len(reference) != len(answers) or not reference:
-        raise ValueError(f"need as many answers as references, got {len(answers)} / {len(reference)}")
+        raise ValueError(
+            f"need as many answers as references, got {len(answers)} / {len(reference)}"
+        )
     scores = [
         1.0 if not (ref.strip() or got.strip()) else f1_score(got, ref)
         for ref, got in zip(reference, answers, strict=True)

@@ -51,7 +51,10 @@ def window_scores(
     logits = logits.masked_fill(~visible, float("-inf"))
     received = logits.softmax(-1).sum(dim=(1, 2))  # [Hkv, N]
     pooled = avg_pool1d(
-        received.unsqueeze(1), POOL_KERNEL, stride=1, padding=POOL_KERNEL // 2,
+        received.unsqueeze(1),
+        POOL_KERNEL,
+        stride=1,
+        padding=POOL_KERNEL // 2,
         count_include_pad=False,
     )
     return pooled.squeeze(1)
@@ -75,10 +78,14 @@ def kept_positions(scores: torch.Tensor, keep_whole: torch.Tensor, capacity: int
 def evict(kv: KVCache, kept: torch.Tensor) -> KVCache:
     """The prompt KV with only each layer's and head's `kept` rows [L, Hkv, C]; row i of head h
     holds that head's i-th kept token. New tokens go on at position N."""
-    keys = tuple(_per_head_rows(k, kept[layer]).transpose(0, 1).contiguous()
-                 for layer, k in enumerate(kv.keys))
-    values = tuple(_per_head_rows(v, kept[layer]).transpose(0, 1).contiguous()
-                   for layer, v in enumerate(kv.values))
+    keys = tuple(
+        _per_head_rows(k, kept[layer]).transpose(0, 1).contiguous()
+        for layer, k in enumerate(kv.keys)
+    )
+    values = tuple(
+        _per_head_rows(v, kept[layer]).transpose(0, 1).contiguous()
+        for layer, v in enumerate(kv.values)
+    )
     return KVCache(keys, values, next_position=kv.position)
 
 
@@ -105,7 +112,9 @@ def compact_kept(cache: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor, f
     sit in place and are not written.
     """
     heads = torch.arange(kept.shape[0], device=kept.device).unsqueeze(1)
-    if first and not torch.equal(kept[:, :first], heads.new_tensor(range(first)).expand(kept.shape[0], -1)):
+    if first and not torch.equal(
+        kept[:, :first], heads.new_tensor(range(first)).expand(kept.shape[0], -1)
+    ):
         raise ValueError("every head must keep the shared positions below `first` whole")
     rows = _per_head_rows(cache, slots[kept])  # [Hkv, C, D], gathered before any write
     target = slots[first : kept.shape[1]].long().expand(kept.shape[0], -1)

@@ -1,4 +1,6 @@
-"""Shared fixtures: prepared models and one real SGLang server per test session."""
+"""Shared fixtures: prepared models, and the real SGLang servers that several test files use
+(one per session each, a start costs 20-30 s of imports on 2 cores; stopped after the last test
+that uses it: tests/shared_servers.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,34 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     free_port,
     generate,
-    running_server,
 )
+from tests.shared_servers import SharedServers  # noqa: E402
 
 __all__ = ["E2E_DEVICE_TOKENS", "generate"]
 
 # Small device pool so a handful of ~1K-token prompts pushes older ones to the host tier.
 E2E_DEVICE_TOKENS = 4096
+# Prefill round of `chunked_prefill_server`: long prompts and chunk captures span several.
+CHUNKED_PREFILL_TOKENS = 128
+
+SHARED_SERVERS = SharedServers()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    SHARED_SERVERS.start_session()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    SHARED_SERVERS.end_session()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    SHARED_SERVERS.plan(session.items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    SHARED_SERVERS.release_after(item)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +78,7 @@ def tiny_qwen2_path() -> Path:
     return prepare(TINY_QWEN2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def models(tiny_llama_path: Path, tiny_qwen2_path: Path) -> dict[str, object]:
     """The tiny Llama and Qwen2 models (fp32) behind the fusion engine's transformers adapter."""
     import torch
@@ -88,7 +111,7 @@ def hicache_server(
         # SGLang's Prometheus /metrics on, for tests/test_server_metrics.py.
         extra_args=("--hicache-ratio", "4", "--enable-metrics"),
     )
-    with running_server(config, log_path=workdir / "server.log") as running:
+    with SHARED_SERVERS.serve("hicache_server", config, workdir / "server.log") as running:
         yield running
 
 
@@ -135,5 +158,48 @@ def disk_server(
     workdir = tmp_path_factory.mktemp("disk_tier")
     config = disk_tier_config(smollm2_path, workdir / "disk", initial_ttl_s=600)
     config = dataclasses.replace(config, extra_args=(*config.extra_args, "--enable-metrics"))
-    with running_server(config, log_path=workdir / "server.log") as running:
+    with SHARED_SERVERS.serve("disk_server", config, workdir / "server.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def chunked_prefill_server(
+    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerConfig]:
+    """SmolLM2 prefilling in rounds of `CHUNKED_PREFILL_TOKENS`, HiCache host tier: shared by
+    tests/test_server_concurrency.py and the chunk capture across rounds of
+    tests/test_server_chunks.py."""
+    workdir = tmp_path_factory.mktemp("chunked_prefill")
+    config = ServerConfig(
+        model_path=str(smollm2_path),
+        port=free_port(),
+        # Room for every request at once: a retracted request is re-prefilled with its output,
+        # which is legitimately a different computation than its one-by-one run.
+        max_total_tokens=20_000,
+        hierarchical_cache=True,
+        extra_args=(
+            "--chunked-prefill-size",
+            str(CHUNKED_PREFILL_TOKENS),
+            "--hicache-ratio",
+            "2",
+        ),
+    )
+    with SHARED_SERVERS.serve("chunked_prefill_server", config, workdir / "server.log") as running:
+        yield running
+
+
+def tiny_qwen2_config(model_path: Path) -> ServerConfig:
+    """Tiny Qwen2 with the launcher's defaults: no hierarchical cache, no settings, no keys."""
+    return ServerConfig(model_path=str(model_path), port=free_port(), max_total_tokens=4096)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_server(
+    tiny_qwen2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerConfig]:
+    """`tiny_qwen2_config`, one per session: shared by tests/test_server_plain_tree.py and the
+    no-keys setup of tests/test_server_auth.py."""
+    workdir = tmp_path_factory.mktemp("tiny_qwen2_server")
+    config = tiny_qwen2_config(tiny_qwen2_path)
+    with SHARED_SERVERS.serve("tiny_qwen2_server", config, workdir / "server.log") as running:
         yield running

@@ -28,7 +28,11 @@ def test_every_codec_round_trips_layer_by_layer(spec: str) -> None:
     codec = parse_codec(spec)
     data = encode_compressed(chunk.content_hash, chunk, codec, _queries)
     header = parse_compressed_header(data, "c")
-    assert (header.key, header.codec, header.token_ids) == (chunk.content_hash, spec, chunk.token_ids)
+    assert (header.key, header.codec, header.token_ids) == (
+        chunk.content_hash,
+        spec,
+        chunk.token_ids,
+    )
     assert torch.equal(header.freq_scores, chunk.freq_scores)
     for layer, (keys, values) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
         expected = codec.decode(codec.encode(keys, values, _queries(layer)))
@@ -37,7 +41,9 @@ def test_every_codec_round_trips_layer_by_layer(spec: str) -> None:
         assert (got.kept is None) == (expected.kept is None)
         if got.kept is not None:
             assert torch.equal(got.kept, expected.kept)
-    dense = sum(k.numel() * 4 + v.numel() * 4 for k, v in zip(chunk.keys, chunk.values, strict=True))
+    dense = sum(
+        k.numel() * 4 + v.numel() * 4 for k, v in zip(chunk.keys, chunk.values, strict=True)
+    )
     assert len(data) < dense
 
 

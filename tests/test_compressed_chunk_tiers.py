@@ -48,7 +48,11 @@ METADATA = 0.05  # a whole stored chunk also holds its token ids and frequency s
 def _tiered(tmp_path: Path, host_bytes: int) -> ChunkTiers[HostChunk]:
     """The tiers as the server's registry builds them."""
     return ChunkTiers(
-        HostChunkCache(host_bytes), ChunkDiskTier(tmp_path, 10**8), host_chunk, summarize, StreamedChunk
+        HostChunkCache(host_bytes),
+        ChunkDiskTier(tmp_path, 10**8),
+        host_chunk,
+        summarize,
+        StreamedChunk,
     )
 
 
@@ -59,9 +63,17 @@ def _equal(expected: PrecomputedChunk, got: object) -> bool:
     chunk = readable(got) if isinstance(got, HostChunk) else got  # type: ignore[arg-type]
     every = torch.arange(expected.num_tokens)
     rows = [chunk.rows(layer, every) for layer in range(expected.num_layers)]
-    pairs = zip((*expected.keys, *expected.values), (*(k for k, _ in rows), *(v for _, v in rows)), strict=True)
+    pairs = zip(
+        (*expected.keys, *expected.values),
+        (*(k for k, _ in rows), *(v for _, v in rows)),
+        strict=True,
+    )
     same_rows = all(x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs)
-    return chunk.token_ids == expected.token_ids and same_rows and torch.equal(chunk.freq_scores, expected.freq_scores)
+    return (
+        chunk.token_ids == expected.token_ids
+        and same_rows
+        and torch.equal(chunk.freq_scores, expected.freq_scores)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,7 +145,11 @@ def test_a_damaged_compressed_layer_is_dropped_counted_and_never_served(tmp_path
 def test_compressed_chunks_are_found_with_their_codec_after_a_restart(tmp_path: Path) -> None:
     rope = RopeSpec(inv_freq=torch.ones(8))
     first = ChunkRegistry(1 << 30, rope, disk=ChunkDiskTier(tmp_path, 10**8))
-    chunks = {"int8": make_chunk(5, tokens=96), "int4": make_chunk(6, tokens=96), None: make_chunk(7)}
+    chunks = {
+        "int8": make_chunk(5, tokens=96),
+        "int4": make_chunk(6, tokens=96),
+        None: make_chunk(7),
+    }
     for spec, chunk in chunks.items():
         assert first.add(chunk, spec)
     listed = {c["id"]: c["codec"] for c in first.list()}
@@ -146,7 +162,9 @@ def test_compressed_chunks_are_found_with_their_codec_after_a_restart(tmp_path: 
     for spec, chunk in chunks.items():
         pinned = again.pin(chunk.content_hash)
         assert pinned is not None
-        expected = chunk if spec is None else PrecomputedChunk(*through_codec(chunk, stored_codec(spec)))
+        expected = (
+            chunk if spec is None else PrecomputedChunk(*through_codec(chunk, stored_codec(spec)))
+        )
         for layer in range(chunk.num_layers):
             every = torch.arange(chunk.num_tokens)
             assert torch.equal(pinned.chunk.rows(layer, every)[0], expected.keys[layer])

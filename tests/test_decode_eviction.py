@@ -80,7 +80,9 @@ def test_full_capacity_decodes_exactly_as_without_eviction(models: dict, family:
     scored = fused_prefill(adapter, segments, selector, return_kv=True, decode_window=8)
     assert scored.window_scores is not None and plain.window_scores is None
     assert scored.window_scores.shape == (
-        adapter.shape.num_layers, adapter.shape.num_kv_heads, scored.num_tokens
+        adapter.shape.num_layers,
+        adapter.shape.num_kv_heads,
+        scored.num_tokens,
     )
     # Scoring never changes the prefill.
     assert torch.equal(plain.logits, scored.logits)
@@ -113,7 +115,9 @@ def test_eviction_keeps_capacity_rows_per_head_and_text_whole(
     assert evicted.num_tokens == size and evicted.position == len(ids)
     # Row i of head h is the K of that head's i-th kept token.
     layer, head = 1, adapter.shape.num_kv_heads - 1
-    assert torch.equal(evicted.keys[layer][:, head], prefill.kv.keys[layer][kept[layer, head], head])
+    assert torch.equal(
+        evicted.keys[layer][:, head], prefill.kv.keys[layer][kept[layer, head], head]
+    )
     flat = kept.flatten(0, 1)
     if capacity <= int(whole.sum()):  # the text alone fills the capacity: no chunk token kept
         assert all(torch.equal(row, torch.nonzero(whole).flatten()) for row in flat)
@@ -208,9 +212,14 @@ def test_a_mixed_batch_decodes_evicted_requests_over_their_kept_rows_only() -> N
         expected_kept = KeptRows(5, 20, 0, kept.positions.clone())
         query = torch.randn(4, 4, 8, generator=generator)  # 1 decode query + 3 prefill queries
         call = {
-            "query": query, "output": torch.empty_like(query), "req_to_token": req_to_token,
-            "k_cache": k_cache, "v_cache": v_cache, "scaling": 0.3,
-            "req_pool_indices": torch.tensor([1, 2]), "seq_lens": torch.tensor([25, 30]),
+            "query": query,
+            "output": torch.empty_like(query),
+            "req_to_token": req_to_token,
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "scaling": 0.3,
+            "req_pool_indices": torch.tensor([1, 2]),
+            "seq_lens": torch.tensor([25, 30]),
         }
         prefill = gather_attend(
             query[1:], k_cache, v_cache, req_to_token[2, :30], torch.arange(27, 30), 0.3
@@ -222,7 +231,9 @@ def test_a_mixed_batch_decodes_evicted_requests_over_their_kept_rows_only() -> N
         decode = expected_kept.attend(0, query[:1], k_copy, v_copy, req_to_token[1], 25, 0.3)
         assert torch.allclose(out[:1], decode, atol=1e-6)
         with pytest.raises(RuntimeError, match="one token per step"):
-            _attend_new_queries({**call, "output": torch.empty_like(query)}, backend, [23, 28], [2, 2])
+            _attend_new_queries(
+                {**call, "output": torch.empty_like(query)}, backend, [23, 28], [2, 2]
+            )
     finally:
         KEPT_ROWS.put(1, KeptRows(-1, 0, 0, kept.positions), torch.tensor([0, 7, 0, 0]))
         assert KEPT_ROWS.get(1, 7) is None and len(KEPT_ROWS) == 0

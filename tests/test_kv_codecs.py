@@ -93,7 +93,9 @@ def test_each_scorer_keeps_the_token_its_rule_favours() -> None:
     queries = torch.zeros(3, 4, 64)
     queries[..., 10] = 5.0
     kept = {
-        name: set(TokenDroppingCodec(name, 0.9).encode(keys, values, queries).tensors["kept"].tolist())
+        name: set(
+            TokenDroppingCodec(name, 0.9).encode(keys, values, queries).tensors["kept"].tolist()
+        )
         for name in ("knorm", "keydiff", "snapkv")
     }
     assert quiet in kept["knorm"] and odd in kept["keydiff"] and attended in kept["snapkv"]

@@ -261,6 +261,18 @@ def test_declared_dependencies_are_what_the_package_imports() -> None:
     )
 
 
+def test_every_file_is_formatted() -> None:
+    """ruff format's layout, so the size limit below counts formatted lines: a file cannot
+    pass it by long lines that the formatter would wrap."""
+    checked = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--output-format", "concise", "."],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
 def test_no_module_over_the_size_limit() -> None:
     sizes = {path: len(path.read_text().splitlines()) for path in _tracked_python_files()}
     over = {str(p.relative_to(REPO)): n for p, n in sizes.items() if n > MAX_MODULE_LINES}

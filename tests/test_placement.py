@@ -18,7 +18,9 @@ PREFILL_S = 2.0
 CODECS = {"none": 1.0, "int8": 0.27, "int4": 0.15}  # stored fraction of the uncompressed size
 
 
-def _context(key: str, size_mb: int, quality: dict[str, float], frequency: float = 1.0) -> ContextProfile:
+def _context(
+    key: str, size_mb: int, quality: dict[str, float], frequency: float = 1.0
+) -> ContextProfile:
     options = [Option(None, "none", 0, 1.0, PREFILL_S)]
     for tier, codec in itertools.product(DELAY_PER_MB, CODECS):
         nbytes = int(size_mb * MB * CODECS[codec])
@@ -54,7 +56,9 @@ def test_with_room_every_context_takes_its_best_option() -> None:
 def test_capacities_hold_and_the_floor_is_never_crossed(dram_mb: int, alpha: float) -> None:
     rng = random.Random(dram_mb)
     contexts = [
-        _context(f"c{i}", rng.choice([50, 100, 200]), rng.choice([ROBUST, SENSITIVE]), rng.random() * 5)
+        _context(
+            f"c{i}", rng.choice([50, 100, 200]), rng.choice([ROBUST, SENSITIVE]), rng.random() * 5
+        )
         for i in range(12)
     ]
     capacities = {"dram": dram_mb * MB, "disk": 600 * MB}
@@ -87,7 +91,9 @@ def test_greedy_matches_the_exhaustive_optimum_on_small_cases() -> None:
     for seed in range(20):
         rng = random.Random(seed)
         contexts = [
-            _context(f"c{i}", rng.choice([50, 100]), rng.choice([ROBUST, SENSITIVE]), rng.random() * 3)
+            _context(
+                f"c{i}", rng.choice([50, 100]), rng.choice([ROBUST, SENSITIVE]), rng.random() * 3
+            )
             for i in range(3)
         ]
         capacities = {"dram": rng.choice([40, 80, 150]) * MB, "disk": rng.choice([30, 100]) * MB}
@@ -126,9 +132,17 @@ def test_context_options_cost_the_move_off_each_tier() -> None:
     profile = context_profile("c", 3.0, costs, tiers)
     ttft = {(o.tier, o.codec): o.ttft_s for o in profile.options}
     assert ttft == pytest.approx(
-        {(None, "none"): 2.5, ("host", "none"): 0.4, ("host", "int8"): 0.4,
-         ("disk", "none"): 0.4 + 2.0, ("disk", "int8"): 0.4 + 0.54}
+        {
+            (None, "none"): 2.5,
+            ("host", "none"): 0.4,
+            ("host", "int8"): 0.4,
+            ("disk", "none"): 0.4 + 2.0,
+            ("disk", "int8"): 0.4 + 0.54,
+        }
     )
-    assert {(o.codec, o.quality) for o in profile.options if o.tier == "disk"} == {("none", 1.0), ("int8", 0.97)}
+    assert {(o.codec, o.quality) for o in profile.options if o.tier == "disk"} == {
+        ("none", 1.0),
+        ("int8", 0.97),
+    }
     with pytest.raises(ValueError, match="dense included"):
         context_profile("c", 1.0, ContextCosts({"int8": 1}, {"int8": 1.0}, 0.1, 1.0), tiers)

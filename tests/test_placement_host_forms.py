@@ -90,8 +90,12 @@ def test_forms_never_go_back_to_less_compressed_rows() -> None:
     ("host_chunks", "floor", "alpha"),
     list(itertools.product([0.0, 0.5, 1.5, 3.0, 10.0], [0.0, 0.9, 0.96, 1.0], [0.0, 20.0])),
 )
-def test_host_forms_respect_capacity_floor_and_popularity(host_chunks: float, floor: float, alpha: float) -> None:
-    chunks = [_chunk(f"r{i}", ROBUST) for i in range(3)] + [_chunk(f"s{i}", SENSITIVE) for i in range(3)]
+def test_host_forms_respect_capacity_floor_and_popularity(
+    host_chunks: float, floor: float, alpha: float
+) -> None:
+    chunks = [_chunk(f"r{i}", ROBUST) for i in range(3)] + [
+        _chunk(f"s{i}", SENSITIVE) for i in range(3)
+    ]
     frequencies = {"r0": 9.0, "r1": 3.0, "r2": 1.0, "s0": 9.0, "s1": 3.0, "s2": 1.0}
     capacity = int(host_chunks * DENSE)
     forms, placement = plan_host_forms(
@@ -114,7 +118,12 @@ def test_host_forms_respect_capacity_floor_and_popularity(host_chunks: float, fl
 def test_a_compression_robust_chunk_is_compressed_before_a_sensitive_one_leaves() -> None:
     chunks = [_chunk("robust", ROBUST), _chunk("sensitive", SENSITIVE)]
     forms, _ = plan_host_forms(
-        chunks, {"robust": 1.0, "sensitive": 1.0}, TIMING, {"host": DENSE + 30_000, "disk": 10 * DENSE}, 20.0, 0.9
+        chunks,
+        {"robust": 1.0, "sensitive": 1.0},
+        TIMING,
+        {"host": DENSE + 30_000, "disk": 10 * DENSE},
+        20.0,
+        0.9,
     )
     assert forms == {"robust": "int8", "sensitive": "none"}
 
@@ -122,13 +131,17 @@ def test_a_compression_robust_chunk_is_compressed_before_a_sensitive_one_leaves(
 def test_a_chunk_registered_compressed_is_held_in_its_form_or_smaller() -> None:
     chunks = [_chunk("a", ROBUST, registered="int8"), _chunk("b", ROBUST, registered="int8")]
     # alpha 0: only the TTFT counts, and int4 decodes faster than the disk reads int8.
-    forms, _ = plan_host_forms(chunks, {"a": 5.0, "b": 1.0}, TIMING, {"host": 27_000 + 15_000, "disk": 0}, 0.0, 0.9)
+    forms, _ = plan_host_forms(
+        chunks, {"a": 5.0, "b": 1.0}, TIMING, {"host": 27_000 + 15_000, "disk": 0}, 0.0, 0.9
+    )
     assert forms == {"a": "int8", "b": "int4"}
 
 
 def test_unprofiled_forms_are_not_offered() -> None:
     unprofiled = ChunkForms("c", 200, "none", NBYTES, DECODE_S, {})
-    forms, _ = plan_host_forms([unprofiled], {"c": 1.0}, TIMING, {"host": 50_000, "disk": DENSE}, 20.0, 0.0)
+    forms, _ = plan_host_forms(
+        [unprofiled], {"c": 1.0}, TIMING, {"host": 50_000, "disk": DENSE}, 20.0, 0.0
+    )
     assert forms == {"c": None}  # dense does not fit, int8 / int4 were never probed
 
 

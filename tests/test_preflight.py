@@ -315,7 +315,9 @@ def test_mooncake_tier_needs_a_listening_master() -> None:
     closed = f"127.0.0.1:{free_port()}"
     settings = ExtensionSettings(chunk_mooncake_master=closed)
     assert settings.chunk_tier_names == ("host", "mooncake")
-    with pytest.raises(PreflightError, match=re.escape(f"chunk_mooncake_master {closed} is unreachable")):
+    with pytest.raises(
+        PreflightError, match=re.escape(f"chunk_mooncake_master {closed} is unreachable")
+    ):
         check_chunk_mooncake(settings)
     metadata = f"http://127.0.0.1:{free_port()}/metadata"
     with socket.create_server(("127.0.0.1", 0)) as master:

@@ -66,7 +66,9 @@ def test_search_finds_the_roofline_optimum(
     result = golden_section(objective, optimum + prior_offset, 0.15, 1.0, tolerance=0.01)
     assert result.ratio == pytest.approx(optimum, abs=0.03 + 2 * noise)
     # The first probe is the prior (half a tolerance inside a bound it was clipped to).
-    assert abs(result.probes[0].ratio - min(max(optimum + prior_offset, 0.15), 1.0)) <= 0.005 + 1e-12
+    assert (
+        abs(result.probes[0].ratio - min(max(optimum + prior_offset, 0.15), 1.0)) <= 0.005 + 1e-12
+    )
     # One evaluation per step: about log_{1/phi}(width / tolerance) + 2 of them.
     assert len(result.probes) <= 14
 

@@ -1,7 +1,8 @@
 """Auth of the extension routes is SGLang's own, per key setup.
 
-For each key setup ({no keys, --api-key, --admin-api-key, both}) a tiny-llama server is started
-(one at a time) and every extension route is called with no key, the API key and the admin key.
+For each key setup ({no keys, --api-key, --admin-api-key, both}) a tiny Qwen2 server runs (no
+keys: the session's `tiny_qwen2_server`; the three with keys start together) and every extension
+route is called with no key, the API key and the admin key.
 The outcome (allowed, or refused with 401/403) must be what SGLang's `decide_request_auth`
 decides for the route's level, and the same as the live reference route of that level:
 `/flush_cache` for the routes that change or drop shared state, `/generate` for the others.
@@ -23,7 +24,8 @@ import requests
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import REGISTER_PARAM
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_servers
+from tests.conftest import tiny_qwen2_config
 
 pytestmark = pytest.mark.server
 
@@ -84,20 +86,37 @@ KEY_SETUPS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(KEY_SETUPS), ids=list(KEY_SETUPS))
+@pytest.fixture(scope="module")
+def keyed_servers(
+    request: pytest.FixtureRequest,
+    tiny_qwen2_server: ServerConfig,
+    tiny_qwen2_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, ServerConfig]]:
+    """A server per key setup, all `tiny_qwen2_config` (tests/conftest.py): no keys is the
+    session's `tiny_qwen2_server`; the selected setups with keys add them and start together
+    (their starts overlap)."""
+    selected = {
+        item.callspec.params["keyed_server"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
+    keyed = {
+        name: dataclasses.replace(tiny_qwen2_config(tiny_qwen2_path), extra_args=setup.args)
+        for name, setup in KEY_SETUPS.items()
+        if setup.args and name in selected
+    }
+    workdir = tmp_path_factory.mktemp("auth")
+    logs = [workdir / f"{name}.log" for name in keyed]
+    with running_servers(list(zip(keyed.values(), logs, strict=True))) as started:
+        yield {"no-keys": tiny_qwen2_server, **dict(zip(keyed, started, strict=True))}
+
+
+@pytest.fixture(params=list(KEY_SETUPS), ids=list(KEY_SETUPS))
 def keyed_server(
-    request: pytest.FixtureRequest, tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[ServerConfig, KeySetup]]:
-    setup = KEY_SETUPS[request.param]
-    config = ServerConfig(
-        model_path=str(tiny_llama_path),
-        port=free_port(),
-        max_total_tokens=2048,
-        extra_args=setup.args,
-    )
-    log = tmp_path_factory.mktemp(f"auth-{request.param}") / "server.log"
-    with running_server(config, log_path=log) as running:
-        yield running, setup
+    request: pytest.FixtureRequest, keyed_servers: dict[str, ServerConfig]
+) -> tuple[ServerConfig, KeySetup]:
+    return keyed_servers[request.param], KEY_SETUPS[request.param]
 
 
 def _call(url: str, route: Route, key: str | None) -> int:

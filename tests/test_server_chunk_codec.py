@@ -40,7 +40,9 @@ def _flush(url: str) -> None:
 
 def test_compressed_chunks_across_a_restart(tiny_llama_path: Path, tmp_path: Path) -> None:
     settings = tmp_path / "hicache_ext.json"
-    settings.write_text(json.dumps({"chunk_disk_dir": str(tmp_path / "disk"), "chunk_codec": "int8"}))
+    settings.write_text(
+        json.dumps({"chunk_disk_dir": str(tmp_path / "disk"), "chunk_codec": "int8"})
+    )
     config = ServerConfig(
         model_path=str(tiny_llama_path),
         port=free_port(),
@@ -65,7 +67,11 @@ def test_compressed_chunks_across_a_restart(tiny_llama_path: Path, tmp_path: Pat
             created = _register(config.url, **body)
             assert created.status_code == 200, created.text
             info = created.json()
-            assert (info["created"], info["codec"], info["tiers"]) == (True, codec or "int8", ["host", "disk"])
+            assert (info["created"], info["codec"], info["tiers"]) == (
+                True,
+                codec or "int8",
+                ["host", "disk"],
+            )
             ids.append(info["id"])
         dense = _register(config.url, text=DAMAGED, codec=None).json()
         assert dense["codec"] is None
@@ -74,7 +80,9 @@ def test_compressed_chunks_across_a_restart(tiny_llama_path: Path, tmp_path: Pat
         changed = _register(config.url, text=DOCUMENTS[0], codec="int4")
         assert changed.status_code == 409 and "stored with codec 'int8'" in changed.json()["error"]
         files = {p.stem: read_header(p) for p in (tmp_path / "disk").rglob("*.chunk")}
-        assert {key: files[key].codec for key in ids} == dict(zip(ids, ("int8", "int4", "int8"), strict=True))
+        assert {key: files[key].codec for key in ids} == dict(
+            zip(ids, ("int8", "int4", "int8"), strict=True)
+        )
         for key, limit in zip(ids, (0.6, 0.35, 0.6), strict=True):  # KV in bf16 on this server
             header = files[key]
             assert header.stored_bytes < limit * header.num_layers * header.layer_bytes

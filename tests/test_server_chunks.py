@@ -8,7 +8,8 @@ import pytest
 import requests
 import torch
 
-from sglang_hicache_ext.sglang_ext.server.launcher import generate
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, generate
+from tests.conftest import CHUNKED_PREFILL_TOKENS
 
 pytestmark = pytest.mark.server
 
@@ -103,8 +104,13 @@ def test_bad_registrations_are_400_and_server_keeps_serving(hicache_server, body
 
 def test_placement_without_a_chunk_disk_is_404(hicache_server) -> None:
     response = requests.post(hicache_server.url + "/hicache_ext/placement", json={}, timeout=60)
-    assert response.status_code == 404 and "needs a disk tier (chunk_disk_dir)" in response.json()["error"]
-    bad = requests.post(hicache_server.url + "/hicache_ext/placement", json={"alpha": -2}, timeout=60)
+    assert (
+        response.status_code == 404
+        and "needs a disk tier (chunk_disk_dir)" in response.json()["error"]
+    )
+    bad = requests.post(
+        hicache_server.url + "/hicache_ext/placement", json={"alpha": -2}, timeout=60
+    )
     assert bad.status_code == 400 and '"alpha" must be >= 0' in bad.json()["error"]
     status = requests.get(hicache_server.url + "/hicache_ext/placement", timeout=30).json()
     assert status["rounds"] == 0 and status["last"] is None
@@ -122,33 +128,20 @@ def test_probe_out_of_range_is_400(hicache_server) -> None:
     assert response.status_code == 400 and "out of range" in response.json()["error"]
 
 
-def test_chunk_longer_than_a_prefill_round(tiny_llama_path: Path, tmp_path: Path) -> None:
+def test_chunk_longer_than_a_prefill_round(
+    chunked_prefill_server: ServerConfig, smollm2_path: Path
+) -> None:
     """Chunked prefill checkpoints every round; the capture must wait for the whole chunk."""
     from transformers import AutoTokenizer
 
-    from sglang_hicache_ext.sglang_ext.server.launcher import (
-        ServerConfig,
-        free_port,
-        running_server,
-    )
-
-    config = ServerConfig(
-        model_path=str(tiny_llama_path),
-        port=free_port(),
-        max_total_tokens=4096,
-        extra_args=("--chunked-prefill-size", "32"),
-    )
-    text = " ".join(f"Entry {i} lists the value {i * 13 % 29} for the field." for i in range(20))
-    token_ids = AutoTokenizer.from_pretrained(tiny_llama_path).encode(
-        text, add_special_tokens=False
-    )
-    assert len(token_ids) > 3 * 32
-    with running_server(config, log_path=tmp_path / "server.log"):
-        chunk = requests.post(
-            config.url + "/chunks", json={"input_ids": token_ids}, timeout=120
-        ).json()
-        assert chunk["created"] is True and chunk["num_tokens"] == len(token_ids)
-        reference = _hf_pre_rope_keys(tiny_llama_path, token_ids)
-        for layer in range(4):
-            for token in (0, 40, len(token_ids) - 1):  # first, middle and last prefill round
-                _assert_probe_matches(config.url, chunk["id"], reference, layer, token)
+    url, rounds = chunked_prefill_server.url, CHUNKED_PREFILL_TOKENS
+    text = " ".join(f"Entry {i} lists the value {i * 13 % 29} for the field." for i in range(40))
+    token_ids = AutoTokenizer.from_pretrained(smollm2_path).encode(text, add_special_tokens=False)
+    assert len(token_ids) > 3 * rounds
+    chunk = requests.post(url + "/chunks", json={"input_ids": token_ids}, timeout=120).json()
+    assert chunk["created"] is True and chunk["num_tokens"] == len(token_ids)
+    reference = _hf_pre_rope_keys(smollm2_path, token_ids)
+    for layer in (0, 1, len(reference) // 2, len(reference) - 1):
+        # first, middle and last prefill round
+        for token in (0, 2 * rounds + 40, len(token_ids) - 1):
+            _assert_probe_matches(url, chunk["id"], reference, layer, token)

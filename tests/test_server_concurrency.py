@@ -1,8 +1,9 @@
 """Concurrent mixed traffic against a real server: no crash, outputs equal to one-by-one runs.
 
-The server prefills in rounds of 128 tokens, so long prompts are split across chunked-prefill
-rounds and share batches with fused requests (the shape that crashed the scheduler: a split
-normal request planned from its whole prompt wrote more K/V rows than its round allocated).
+The server (the session's `chunked_prefill_server`, tests/conftest.py) prefills in rounds of
+128 tokens, so long prompts are split across chunked-prefill rounds and share batches with
+fused requests (the shape that crashed the scheduler: a split normal request planned from its
+whole prompt wrote more K/V rows than its round allocated).
 Traffic mixes fused requests with every selector, fused prompts split across rounds, fused
 requests with logprobs, fused requests whose decode attends only their kept rows (decode-time
 eviction), normal long prompts with and without a shared system prefix, logprobs,
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +29,11 @@ import requests
 
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion.selectors import SELECTORS
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
+from tests.conftest import CHUNKED_PREFILL_TOKENS as CHUNKED_PREFILL
 
 pytestmark = pytest.mark.server
 
-CHUNKED_PREFILL = 128
 ROUNDS = int(os.environ.get("HICACHE_EXT_CONCURRENCY_ROUNDS", "1"))
 FUSED_SELECTORS = sorted(s for s in SELECTORS if s != "full") + ["full"]
 RATIOS = {"reuse": 0.0, "full": 1.0}
@@ -76,24 +76,6 @@ class Outcome:
     input_logprobs: int  # how many input-token logprobs came back
 
 
-@pytest.fixture(scope="module")
-def concurrency_server(
-    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerConfig]:
-    workdir = tmp_path_factory.mktemp("concurrency")
-    config = ServerConfig(
-        model_path=str(smollm2_path),
-        port=free_port(),
-        # Room for every request at once: a retracted request is re-prefilled with its output,
-        # which is legitimately a different computation than its one-by-one run.
-        max_total_tokens=20_000,
-        hierarchical_cache=True,
-        extra_args=("--chunked-prefill-size", str(CHUNKED_PREFILL), "--hicache-ratio", "2"),
-    )
-    with running_server(config, log_path=workdir / "server.log") as running:
-        yield running
-
-
 def _short_documents(tokenizer: Any, count: int, max_tokens: int) -> list[str]:
     """HotpotQA paragraphs cut to whole sentences within `max_tokens`."""
     documents: list[str] = []
@@ -121,14 +103,14 @@ def _fused(selector: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def jobs(concurrency_server: ServerConfig, smollm2_path: Path) -> list[Job]:
+def jobs(chunked_prefill_server: ServerConfig, smollm2_path: Path) -> list[Job]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_path))
     docs = _short_documents(tokenizer, 12, max_tokens=70)
     for doc in docs:
         response = requests.post(
-            concurrency_server.url + "/chunks", json={"text": doc}, timeout=120
+            chunked_prefill_server.url + "/chunks", json={"text": doc}, timeout=120
         )
         assert response.status_code == 200, response.text
     long_text = " ".join(load_hotpotqa(6, seed=5)[i].documents[0] for i in range(6))
@@ -267,9 +249,9 @@ def _server_alive(config: ServerConfig) -> None:
 
 
 def test_concurrent_mixed_traffic_matches_one_by_one(
-    concurrency_server: ServerConfig, jobs: list[Job]
+    chunked_prefill_server: ServerConfig, jobs: list[Job]
 ) -> None:
-    url = concurrency_server.url
+    url = chunked_prefill_server.url
     reference = {job.name: _run(url, job) for job in jobs if not job.abort}
     for job in jobs:
         if not job.abort:
@@ -291,15 +273,15 @@ def test_concurrent_mixed_traffic_matches_one_by_one(
             if got.output_ids != reference[job.name].output_ids:  # type: ignore[union-attr]
                 mismatches.append(job.name)
         assert not mismatches, f"round {round_}: outputs differ from one-by-one runs: {mismatches}"
-        _server_alive(concurrency_server)
+        _server_alive(chunked_prefill_server)
         print(f"round {round_ + 1}/{ROUNDS}: {len(order)} concurrent requests, 0 mismatches")
 
 
 def test_reproduction_split_normal_requests_beside_fused(
-    concurrency_server: ServerConfig, jobs: list[Job]
+    chunked_prefill_server: ServerConfig, jobs: list[Job]
 ) -> None:
     """The issue's reproduction: 4 fused + 4 long normal requests at once, 128-token rounds."""
-    url = concurrency_server.url
+    url = chunked_prefill_server.url
     picked = [j for j in jobs if j.expect == "fused" and not j.stream][:4] + [
         j for j in jobs if j.name.startswith("normal-long")
     ][:4]
@@ -309,7 +291,7 @@ def test_reproduction_split_normal_requests_beside_fused(
         for job, outcome in zip(picked, outcomes, strict=True):
             assert outcome is not None
             _check_report(job, outcome)
-        _server_alive(concurrency_server)
+        _server_alive(chunked_prefill_server)
     stats = requests.get(url + "/server_info", timeout=60).json()["internal_states"][0]
     assert stats["hicache_ext"]["fusion"]["fused_requests"] >= 4 * ROUNDS
 
@@ -328,13 +310,13 @@ def _fusion_stats(url: str) -> dict[str, int]:
 
 
 def test_long_fused_prompt_across_rounds_equals_normal_prefill(
-    concurrency_server: ServerConfig, smollm2_path: Path
+    chunked_prefill_server: ServerConfig, smollm2_path: Path
 ) -> None:
     """A ~1.5K-token prompt of 10 registered paragraphs at 128-token rounds: fused (computed in
     the first round, written round by round), and at r = 1 the normal prefill's tokens."""
     from transformers import AutoTokenizer
 
-    url = concurrency_server.url
+    url = chunked_prefill_server.url
     docs = [d for example in load_hotpotqa(4, seed=31) for d in example.documents][:10]
     for doc in docs:
         assert requests.post(url + "/chunks", json={"text": doc}, timeout=300).status_code == 200
@@ -376,11 +358,11 @@ def _max_logprob_gap(fused: dict[str, Any], normal: dict[str, Any]) -> float:
 
 
 def test_fused_logprobs_match_the_normal_prefill(
-    concurrency_server: ServerConfig, jobs: list[Job]
+    chunked_prefill_server: ServerConfig, jobs: list[Job]
 ) -> None:
     """Input and output logprobs (and top-3) with fusion at r = 1 equal the normal prefill's
     within fp32 noise, over a prompt split into 3 rounds; at r = 0.15 they come back fused."""
-    url = concurrency_server.url
+    url = chunked_prefill_server.url
     notes = [j.text for j in jobs if j.name.startswith("fused-split")][:2]
     prompt = "Logprob check.\n" + "\n".join(notes) + "\nSo:"
     extra = {"return_logprob": True, "logprob_start_len": 5, "top_logprobs_num": 3}

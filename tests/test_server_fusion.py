@@ -281,6 +281,7 @@ def test_decode_eviction_keeps_capacity_and_never_touches_other_requests(
     tokens = whole["meta_info"]["prompt_tokens"]
     assert info.get("decode_kept_tokens") == tokens and info["decode_unused_tokens"] == 0, info
     assert whole["output_ids"] == plain["output_ids"]
+
     def kept_steps() -> int:
         info = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
         return info["hicache_ext"]["fusion"]["decode_steps_over_kept_rows"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_servers
 from sglang_hicache_ext.sglang_ext.server.settings import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
 from tests.test_preflight import _assert_clear_error, _launch
@@ -69,10 +69,8 @@ def test_two_servers_share_chunks_and_survive_the_master(
     with running_master(tmp_path / "master.log") as master:
         config_a = _config(tiny_llama_path, tmp_path, "a", master.address, 256 << 20)
         config_b = _config(tiny_llama_path, tmp_path, "b", master.address, 0)
-        with (
-            running_server(config_a, log_path=tmp_path / "a.log") as a,
-            running_server(config_b, log_path=tmp_path / "b.log") as b,
-        ):
+        servers = [(config_a, tmp_path / "a.log"), (config_b, tmp_path / "b.log")]
+        with running_servers(servers) as (a, b):  # started together: their starts overlap
             ids = [_register(a.url, text)["id"] for text in (*DOCUMENTS, LATE)]
             assert {c["id"]: c["tiers"] for c in _chunks(a.url)["chunks"]} == {
                 i: ["host", "mooncake"] for i in ids

@@ -32,7 +32,9 @@ def _prompts() -> list[str]:
     ]
 
 
-def test_concurrent_streamed_requests_equal_one_by_one(tiny_llama_path: Path, tmp_path: Path) -> None:
+def test_concurrent_streamed_requests_equal_one_by_one(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
     settings = tmp_path / "hicache_ext.json"
     settings.write_text(
         json.dumps({"chunk_disk_dir": str(tmp_path / "chunks"), "chunk_store_bytes": 1})
@@ -69,5 +71,7 @@ def test_concurrent_streamed_requests_equal_one_by_one(tiny_llama_path: Path, tm
         stats = _chunks(config.url)["stats"]
         assert stats["hits_by_tier"]["disk"] == 2 * len(jobs) * 3, stats
         assert stats["disk"]["corrupt_dropped"] == 0 and stats["lost"] == 0
-        print(f"\n{len(jobs)} concurrent streamed requests equal one-by-one; disk hits "
-              f"{stats['hits_by_tier']['disk']}")
+        print(
+            f"\n{len(jobs)} concurrent streamed requests equal one-by-one; disk hits "
+            f"{stats['hits_by_tier']['disk']}"
+        )

@@ -121,4 +121,6 @@ def test_guard_refuses_bad_settings() -> None:
         ShadowGuardPlanner(list(_planners()), half_life_s=-1.0)
     with pytest.raises(ValueError, match="backtest_period_s"):
         ShadowGuardPlanner(list(_planners()), backtest_period_s=0.0)
-    assert math.isinf(ShadowGuardPlanner(list(_planners()), capacity_factor=math.inf).capacity_factor)
+    assert math.isinf(
+        ShadowGuardPlanner(list(_planners()), capacity_factor=math.inf).capacity_factor
+    )

@@ -90,7 +90,9 @@ class _CallReader:
             if p.default is not inspect.Parameter.empty
         }
 
-    def __call__(self, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    def __call__(
+        self, backend: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
         call = dict(self.defaults)
         call.update(zip(self.names, (backend, *args), strict=False))
         call.update(kwargs)
@@ -121,7 +123,10 @@ def _attend_new_queries(
     generations = backend.req_to_token_pool.req_generation if KEPT_ROWS else None
     start = 0
     for row, prefix_len, new_len, seq_len in zip(
-        call["req_pool_indices"].tolist(), prefix_lens, new_lens, call["seq_lens"].tolist(),
+        call["req_pool_indices"].tolist(),
+        prefix_lens,
+        new_lens,
+        call["seq_lens"].tolist(),
         strict=True,
     ):
         end = start + new_len
@@ -134,13 +139,22 @@ def _attend_new_queries(
                 )
             KEPT_ROWS.decode_steps += backend._layer == 0
             output[start:end] = kept.attend(
-                backend._layer, query[start:end], call["k_cache"], call["v_cache"],
-                req_to_token[row], seq_len, call["scaling"],
+                backend._layer,
+                query[start:end],
+                call["k_cache"],
+                call["v_cache"],
+                req_to_token[row],
+                seq_len,
+                call["scaling"],
             )
         else:
             output[start:end] = gather_attend(
-                query[start:end], call["k_cache"], call["v_cache"], req_to_token[row, :seq_len],
-                torch.arange(prefix_len, seq_len, device=query.device), call["scaling"],
+                query[start:end],
+                call["k_cache"],
+                call["v_cache"],
+                req_to_token[row, :seq_len],
+                torch.arange(prefix_len, seq_len, device=query.device),
+                call["scaling"],
             )
         start = end
     return output

@@ -156,46 +156,79 @@ def running_server(
     """Start the server, wait until `/health` answers, yield, then stop the whole process group.
 
     SIGTERM to the caller also stops the server: Python's default SIGTERM skips `finally`."""
+    with running_servers([(config, log_path)], startup_timeout_s) as (running,):
+        yield running
+
+
+@contextmanager
+def running_servers(
+    servers: Sequence[tuple[ServerConfig, Path]], startup_timeout_s: float = 300.0
+) -> Iterator[list[ServerConfig]]:
+    """`running_server` for several servers (config, log path) started at once: a start is
+    mostly Python imports, one core per process at first, so on a small machine starts that
+    overlap finish sooner than one after another. Yields the configs once every server is
+    healthy; stops them all on exit, or when one fails to start."""
+    previous_handler = exit_on_sigterm()
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for config, log_path in servers:
+            processes.append(_start(config, log_path))
+        deadline = time.monotonic() + startup_timeout_s
+        for process, (config, log_path) in zip(processes, servers, strict=True):
+            _wait_until_healthy(process, config, log_path, deadline, startup_timeout_s)
+        yield [config for config, _ in servers]
+    finally:
+        for process in processes:
+            stop_process_group(process)
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _start(config: ServerConfig, log_path: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    previous_handler = _exit_on_sigterm()
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(
+        return subprocess.Popen(
             config.command(),
             env=config.environment(),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise ServerStartError(
-                    f"server exited with status {process.returncode} during startup; log {log_path}:\n{_tail(log_path)}"
-                )
-            try:
-                if requests.get(config.url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerStartError(
-                    f"server not healthy after {startup_timeout_s:.0f}s; log {log_path}:\n{_tail(log_path)}"
-                )
-            time.sleep(1.0)
-        yield config
-    finally:
-        stop_process_group(process)
-        if previous_handler is not None:
-            signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _wait_until_healthy(
+    process: subprocess.Popen[bytes],
+    config: ServerConfig,
+    log_path: Path,
+    deadline: float,
+    startup_timeout_s: float,
+) -> None:
+    while True:
+        if process.poll() is not None:
+            raise ServerStartError(
+                f"server exited with status {process.returncode} during startup; log {log_path}:\n{_tail(log_path)}"
+            )
+        try:
+            if requests.get(config.url + "/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerStartError(
+                f"server not healthy after {startup_timeout_s:.0f}s; log {log_path}:\n{_tail(log_path)}"
+            )
+        time.sleep(1.0)
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _exit_on_sigterm() -> Any:
-    """Turn SIGTERM into SystemExit (main thread only); returns the handler to restore."""
+def exit_on_sigterm() -> Any:
+    """Turn SIGTERM into SystemExit (main thread only); returns the handler to restore, None
+    where it left the handler alone. `running_servers` holds it while its servers run; a caller
+    that stops servers in another order than it started them (a test session) holds it
+    throughout."""
     if threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:

@@ -25,9 +25,7 @@ INFEASIBLE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hicache-ext-pareto", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="hicache-ext-pareto", description=__doc__)
     parser.add_argument("--trace", required=True, type=Path, help="JSONL request trace")
     parser.add_argument("--instances", required=True, type=int, help="serving instances (GPUs)")
     parser.add_argument("--search", choices=("adaptive", "grid"), default="adaptive")

@@ -62,7 +62,10 @@ def place(
                     if not frees:
                         continue
                     drop = value(key, current) - value(key, option)
-                    if best is None or (drop, -option.nbytes) < (best.utility_drop, -best.after.nbytes):
+                    if best is None or (drop, -option.nbytes) < (
+                        best.utility_drop,
+                        -best.after.nbytes,
+                    ):
                         best = Move(key, current, option, drop)
             if best is None:  # only without recomputing, when the slowest tier overfills
                 raise RuntimeError(f"tier {tier} is over its capacity and no context can leave it")
@@ -74,7 +77,9 @@ def place(
 
 
 def _usable(context: ContextProfile, tiers: list[str], quality_floor: float) -> list[Option]:
-    options = [o for o in allowed(context.options, quality_floor) if o.tier is None or o.tier in tiers]
+    options = [
+        o for o in allowed(context.options, quality_floor) if o.tier is None or o.tier in tiers
+    ]
     if not options:
         raise ValueError(f"{context.key}: no option on the tiers {tiers}")
     return options

@@ -87,5 +87,8 @@ def plan_host_forms(
     on_disk = sum(c.nbytes[c.registered] for c in chunks)
     tiers = {HOST: capacities[HOST], DISK: max(capacities[DISK], on_disk)}
     placement = place(profiles, tiers, alpha, quality_floor)
-    forms = {key: option.codec if option.tier == HOST else None for key, option in placement.chosen.items()}
+    forms = {
+        key: option.codec if option.tier == HOST else None
+        for key, option in placement.chosen.items()
+    }
     return forms, placement

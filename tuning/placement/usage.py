@@ -59,7 +59,9 @@ class ChunkUsage:
         with self._lock:
             return dict(self._reads)
 
-    def end_round(self, chunk_ids: Iterable[str], reads: dict[str, int] | None = None) -> dict[str, ChunkUse]:
+    def end_round(
+        self, chunk_ids: Iterable[str], reads: dict[str, int] | None = None
+    ) -> dict[str, ChunkUse]:
         """Every chunk's use up to now; the round's reads (those of the snapshot `reads`, when
         given: later ones stay in the next round) then become the decayed history."""
         with self._lock:
