@@ -23,15 +23,7 @@ from typing import Any, NamedTuple
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from sglang_hicache_ext.sglang_ext.server.control_routes import (
-    ControlError,
-    control,
-    control_error_response,
-    error_response,
-    refused_response,
-    server_settings,
-    tokenizer_manager,
-)
+from sglang_hicache_ext.sglang_ext.server import control_routes
 from sglang_hicache_ext.sglang_ext.server.placement_round import (
     PROFILE_CHUNKS_PER_ROUND,
     PlacementRounds,
@@ -98,19 +90,21 @@ async def run_placement(request: Request) -> JSONResponse:
     the floor (in [0, 1]) override the settings for this round; N bounds how many chunks it
     profiles (default 8: never profiled first, then the most read). 400 on bad values or unknown
     keys, 404 without a chunk disk tier (chunk_disk_dir), 409 while a round runs."""
-    manager = tokenizer_manager()
-    settings = server_settings(manager.server_args.hicache_storage_backend_extra_config)
+    manager = control_routes.tokenizer_manager()
+    settings = control_routes.server_settings(
+        manager.server_args.hicache_storage_backend_extra_config
+    )
     try:
         raw = await read_bounded_body(request, _BODY_MAX_BYTES, "the placement route's limit")
         parameters = placement_parameters(parse_json(raw) if raw.strip() else {}, settings)
     except RequestRefused as err:
-        return refused_response(err)
+        return control_routes.refused_response(err)
     try:
-        return JSONResponse(await ROUNDS.run(manager, control, *parameters))
+        return JSONResponse(await ROUNDS.run(manager, control_routes.control, *parameters))
     except RoundRunning as err:
-        return error_response(409, str(err))
-    except ControlError as err:
-        return control_error_response(err)
+        return control_routes.error_response(409, str(err))
+    except control_routes.ControlError as err:
+        return control_routes.control_error_response(err)
 
 
 async def placement_status() -> JSONResponse:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from sglang_hicache_ext.tiers.atomic_write import TEMP_SUFFIX, commit, fsync_directory, write_temp
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
 from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader, CorruptChunkError
+from sglang_hicache_ext.tiers.chunks.host_cache import LruCounts
 from sglang_hicache_ext.tiers.chunks.stored_forms import (
     LayerRows,
     StoredBlob,
@@ -44,13 +45,7 @@ CHUNK_SUFFIX = ".chunk"  # a chunk's file in the tier's directory: `<key>.chunk`
 
 
 @dataclass(frozen=True)
-class ChunkDiskStats:
-    entries: int
-    bytes_used: int
-    capacity_bytes: int
-    hits: int
-    misses: int
-    evictions: int
+class ChunkDiskStats(LruCounts):
     write_errors: int
     corrupt_dropped: int
     bytes_read: int

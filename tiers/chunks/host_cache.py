@@ -28,13 +28,19 @@ class HostCacheFullError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class HostCacheStats:
+class LruCounts:
+    """What a byte-budgeted LRU of chunks counts (host memory here, the disk tier too)."""
+
     entries: int
     bytes_used: int
     capacity_bytes: int
     hits: int
     misses: int
     evictions: int
+
+
+@dataclass(frozen=True)
+class HostCacheStats(LruCounts):
     rejected: int
 
 
