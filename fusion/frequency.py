@@ -15,15 +15,15 @@ DEFAULT_ALPHA = 0.5
 _PROJECTION_MAX_TOKENS = 1024
 
 
-def low_pass(x: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
-    """Keep the lowest `alpha` fraction of rFFT frequencies of `x` along dim 0; same shape back."""
+def low_pass(x: torch.Tensor, alpha: float = DEFAULT_ALPHA, dim: int = 0) -> torch.Tensor:
+    """Keep the lowest `alpha` fraction of rFFT frequencies of `x` along `dim`; same shape back."""
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-    n = x.shape[0]
-    spectrum = torch.fft.rfft(x.float(), dim=0)
+    n = x.shape[dim]
+    spectrum = torch.fft.rfft(x.float(), dim=dim)
     cutoff = int(alpha * (n // 2 + 1))
-    spectrum[cutoff:] = 0
-    return torch.fft.irfft(spectrum, n=n, dim=0)
+    spectrum.narrow(dim, cutoff, spectrum.shape[dim] - cutoff).zero_()
+    return torch.fft.irfft(spectrum, n=n, dim=dim)
 
 
 def frequency_scores(
@@ -40,35 +40,31 @@ def frequency_scores(
 def layer_frequency_scores(
     keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], alpha: float = DEFAULT_ALPHA
 ) -> torch.Tensor:
-    """`frequency_scores` of every layer ([L, N]) in one FFT over the stacked layers: a chunk
-    kept from traffic is scored on the scheduler thread, where one call per layer adds up."""
+    """`frequency_scores` of every layer ([L, N]) in one low-pass over the stacked layers: a
+    chunk kept from traffic is scored on the scheduler thread, where one call per layer adds up."""
     if len(keys) != len(values) or not keys:
         raise ValueError("keys and values must have the same, non-zero number of layers")
-    return stacked_frequency_scores(
-        torch.stack(list(keys), dim=1), torch.stack(list(values), dim=1), alpha
-    )
+    return stacked_frequency_scores(torch.stack(list(keys)), torch.stack(list(values)), alpha)
 
 
 def stacked_frequency_scores(
     k: torch.Tensor, v: torch.Tensor, alpha: float = DEFAULT_ALPHA
 ) -> torch.Tensor:
-    """`layer_frequency_scores` of rows already stacked as [N, L, H, D] (a capture stacks the
-    rows of all its pieces once and scores each piece's slice)."""
+    """`layer_frequency_scores` of rows already stacked layer-major, [L, N, H, D] (the form a
+    capture reads SGLang's pool in)."""
     k, v = k.float(), v.float()
-    if k.shape[0] == 0 or k.shape[0] != v.shape[0]:
+    if k.shape[1] == 0 or k.shape[:2] != v.shape[:2]:
         raise ValueError("keys and values must have the same, non-zero number of tokens")
-    n = k.shape[0]
+    layers, n = k.shape[:2]
     if n <= _PROJECTION_MAX_TOKENS:
         # The low-pass is linear along the tokens: one n x n matrix (the low-passed identity)
         # times every column costs far less than an FFT per column for short chunks.
         projection = low_pass(torch.eye(n), alpha)
-        k_low = (projection @ k.reshape(n, -1)).reshape(k.shape)
-        v_low = (projection @ v.reshape(n, -1)).reshape(v.shape)
+        k_low = projection @ k.reshape(layers, n, -1)
+        v_low = projection @ v.reshape(layers, n, -1)
     else:
-        k_low, v_low = low_pass(k, alpha), low_pass(v, alpha)
-    k_norm = k_low.flatten(2).norm(dim=-1)
-    v_norm = v_low.flatten(2).norm(dim=-1)
-    scores = 0.5 * (k_norm + v_norm)  # [N, L]
-    # A copy with the [L, N] row-major strides stored files read (`.T.contiguous()` keeps odd
-    # strides on a one-token chunk, whose size-1 dimension counts as contiguous).
-    return scores.new_empty((scores.shape[1], n)).copy_(scores.T)
+        k_low, v_low = low_pass(k, alpha, dim=1), low_pass(v, alpha, dim=1)
+    scores = 0.5 * (k_low.flatten(2).norm(dim=-1) + v_low.flatten(2).norm(dim=-1))  # [L, N]
+    # Row-major strides, which stored files read (a one-token chunk's size-1 dimension would
+    # otherwise count as contiguous with any stride).
+    return scores.new_empty(scores.shape).copy_(scores)

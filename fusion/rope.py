@@ -78,9 +78,10 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Rotate `x` [n, H, D] (pre-RoPE queries or keys) to `positions` [n]; returns a new tensor."""
-    if x.dim() != 3 or x.shape[0] != positions.shape[0]:
-        raise ValueError(f"expected x [n, H, D] and positions [n], got {tuple(x.shape)}")
+    """Rotate `x` [..., n, H, D] (pre-RoPE queries or keys; leading dims such as layers share
+    the positions) to `positions` [n]; returns a new tensor."""
+    if x.dim() < 3 or x.shape[-3] != positions.shape[0]:
+        raise ValueError(f"expected x [..., n, H, D] and positions [n], got {tuple(x.shape)}")
     rot = spec.rotary_dim
     if rot > x.shape[-1]:
         raise ValueError(f"rotary dim {rot} exceeds head dim {x.shape[-1]}")

@@ -291,6 +291,9 @@ def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:
                 "--radix-cache-backend hicache_ext is not in use",
             )
             raise RuntimeError(f"chunk registry unavailable: {reason}")
+        auto_capture = getattr(scheduler.tree_cache, "auto_capture", None)
+        if auto_capture is not None:  # listings and deletions see every piece kept so far
+            auto_capture.settle(wait=True)
         output = DumperControlReqOutput(
             success=True, response=chunks.handle_control(recv_req.method, dict(recv_req.body))
         )

@@ -373,7 +373,7 @@ def test_batch_equals_one_by_one(models: dict, family: str) -> None:
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=BATCH_ATOL)
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1100])  # 1100: past the projection, by FFT
 def test_scores_of_every_layer_at_once_equal_the_per_layer_scores(tokens: int) -> None:
     generator = torch.Generator().manual_seed(tokens)
     keys = [torch.randn(tokens, 2, 8, generator=generator).bfloat16() for _ in range(5)]

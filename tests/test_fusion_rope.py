@@ -141,7 +141,8 @@ def test_pre_rope_rows_undo_the_rotation_of_every_layer_at_once(layout: str) -> 
     pool = _Pool([apply_rope(k, positions, spec) for k in raw], [torch.randn(40, 2, 16)] * 3)
     slots = torch.tensor([3, 9, 10, 11, 30])
     keys, values = pre_rope_rows(pool, slots, positions[slots], spec)
+    assert keys.shape == values.shape == (3, 5, 2, 16)
+    assert keys.is_contiguous() and values.is_contiguous()
     for layer in range(3):
         torch.testing.assert_close(keys[layer], raw[layer][slots], atol=1e-5, rtol=1e-5)
-        assert keys[layer].is_contiguous()
         assert torch.equal(values[layer], pool.values[layer][slots])

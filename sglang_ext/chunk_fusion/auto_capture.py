@@ -12,16 +12,26 @@ and the rows cost a copy where a second prefill costs the prompt's compute again
 
 Only rows the model computed for this prompt are kept: in a fused prefill the pieces overlapping
 a reused chunk hold recovered rows, so only pieces computed whole are taken. At most
-`auto_chunks_per_minute` pieces are kept per minute (each costs a copy of its rows, and with a
-disk tier a write, on the scheduler thread); pieces over the cap are counted, not kept.
+`auto_chunks_per_minute` pieces are kept per minute; pieces over the cap are counted, not kept.
+
+What the scheduler thread pays: cutting the prompt, matching it, and one copy of the kept
+pieces' rows out of the pool (they are the pool's only until then). Rotating the keys back,
+scoring and copying each piece out run on one background thread, so the request that brought
+the documents answers without waiting for them. Finished pieces are stored and indexed on the
+scheduler thread, where every other reader of the registry runs: when a later request is
+planned, when a control request or a status reads the registry (these wait for every pending
+piece), and before the next capture. A later prompt that holds a piece still being prepared
+waits for it: its second sight is reused however soon it comes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,8 +39,9 @@ import torch
 
 from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.fusion.frequency import stacked_frequency_scores
+from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
-from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
+from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import gather_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
@@ -45,6 +56,52 @@ _WINDOW_S = 60.0
 OUTCOMES = ("captured", "covered", "over_cap", "not_computed", "failed")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """A piece ready for the store: its tokens, what came before it, its pre-RoPE rows."""
+
+    chunk_id: str
+    token_ids: list[int]
+    prefix: tuple[int, ...]
+    keys: list[torch.Tensor]  # per layer
+    values: list[torch.Tensor]
+    freq_scores: torch.Tensor
+
+
+def _prepared(
+    tokens: list[int],
+    spans: list[tuple[int, int, str]],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    rope: RopeSpec,
+    alpha: float,
+) -> list[_Piece]:
+    """The pieces at `spans` (start, end, chunk id) of `tokens` with their rows: `keys` and
+    `values` are the rows of all of them, in order, as the pool held them ([L, n, H, D]); keys
+    rotated back from `positions`, one copy per piece, scores. Runs on the background thread."""
+    keys = unrotate(keys, positions.to(keys.device), rope).cpu()
+    values = values.cpu()
+    ready, offset = [], 0
+    for start, end, chunk_id in spans:
+        rows = slice(offset, offset + end - start)
+        # One copy of the piece's rows: a view would keep the whole prompt's rows alive as
+        # long as any one piece of it stays stored.
+        piece_keys, piece_values = keys[:, rows].clone(), values[:, rows].clone()
+        ready.append(
+            _Piece(
+                chunk_id,
+                tokens[start:end],
+                tuple(tokens[:start]),
+                list(piece_keys.unbind(0)),
+                list(piece_values.unbind(0)),
+                stacked_frequency_scores(piece_keys, piece_values, alpha),
+            )
+        )
+        offset += end - start
+    return ready
+
+
 class AutoCapture:
     """Keeps the uncovered pieces of each prefilled prompt as chunks, under a per-minute cap."""
 
@@ -56,6 +113,7 @@ class AutoCapture:
         per_minute: int,
         codec: str | None = None,
         clock: Any = time.monotonic,
+        background: bool = True,
     ) -> None:
         self.registry = registry
         self.breaks = breaks
@@ -64,10 +122,17 @@ class AutoCapture:
         self.codec = codec
         self.counts: Counter[str] = Counter({outcome: 0 for outcome in OUTCOMES})
         self.tokens_captured = 0
-        self.seconds = 0.0  # on the scheduler thread, cutting, matching and keeping
+        # On the scheduler thread: cutting, matching, copying rows out, storing, waiting.
+        self.seconds = 0.0
         self._clock = clock
         self._recent: deque[float] = deque()
         self._seen: OrderedDict[str, None] = OrderedDict()
+        # background=False prepares pieces on the caller's thread (tests, in-process use).
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="hicache-ext-capture") if background else None
+        )
+        self._jobs: deque[tuple[Future[list[_Piece]], frozenset[str]]] = deque()
+        self._pending: set[str] = set()  # chunk ids of the pieces in `_jobs`
 
     @classmethod
     def for_settings(
@@ -96,74 +161,113 @@ class AutoCapture:
     ) -> int:
         """Keep the prompt's uncovered pieces whose rows sit at `slots` (one per token, at
         positions 0..n-1); `fused`: the rows of chunk-covered tokens are recovered, not
-        computed. Returns how many pieces were kept."""
+        computed. Returns how many pieces were taken (stored once prepared)."""
         if rid in self._seen:
             return 0
+        self.settle()
         began = time.perf_counter()
         self._seen[rid] = None
         if len(self._seen) > _SEEN_REQUESTS:
             self._seen.popitem(last=False)
-        tokens = list(tokens)
+        tokens = [int(t) for t in tokens]  # the background thread gets its own copy
         pieces = document_segments(tokens, self.breaks, self.rule)
         if not pieces:
             return 0
         covered = np.zeros(len(tokens), dtype=bool)
         for match in self.registry.index.find(tokens):
             covered[match.prompt_start : match.prompt_end] = True
-        todo: list[tuple[int, int]] = []
+        todo: list[tuple[int, int, str]] = []
         todo_ids: set[str] = set()
         for start, end in pieces:
             chunk_id = chunk_hash(tokens[start:end])
             share = float(covered[start:end].mean())
-            # Stored already, or earlier in this prompt: also a chunk the index cannot match
-            # (its anchors are too common, e.g. one token repeated).
-            if share >= _COVERED or chunk_id in todo_ids or chunk_id in self.registry.store:
+            # Stored already, being prepared, or earlier in this prompt: also a chunk the index
+            # cannot match (its anchors are too common, e.g. one token repeated).
+            if (
+                share >= _COVERED
+                or chunk_id in todo_ids
+                or chunk_id in self._pending
+                or chunk_id in self.registry.store
+            ):
                 self._count("covered", end - start)
             elif fused and share > 0:
                 self._count("not_computed", end - start)
             elif not self._take_slot():
                 self._count("over_cap", end - start)
             else:
-                todo.append((start, end))
+                todo.append((start, end, chunk_id))
                 todo_ids.add(chunk_id)
-        kept = self._keep(tokens, todo, kv_pool, slots) if todo else 0
+        if todo:
+            self._submit(tokens, todo, kv_pool, slots)
         self.seconds += time.perf_counter() - began
-        return kept
+        return len(todo)
 
-    def _keep(
+    def _submit(
         self,
-        tokens: Sequence[int],
-        spans: list[tuple[int, int]],
+        tokens: list[int],
+        spans: list[tuple[int, int, str]],
         kv_pool: Any,
         slots: torch.Tensor,
-    ) -> int:
-        """Every piece's rows in one gather per layer (the scheduler waits for this)."""
-        index = torch.cat([torch.arange(s, e) for s, e in spans]).to(slots.device)
-        keys, values = pre_rope_rows(
-            kv_pool, slots[index].to(torch.long), index, self.registry.rope
-        )
-        # Stacked once for every piece's scores ([N, L, H, D]).
-        all_keys, all_values = torch.stack(keys, dim=1), torch.stack(values, dim=1)
-        offset = kept = 0
-        for start, end in spans:
-            rows = slice(offset, offset + end - start)
-            stored = self.registry.store_rows(
-                [int(t) for t in tokens[start:end]],
-                # Copies: a view would keep the whole prompt's rows alive as long as any
-                # one piece of it stays stored.
-                [k[rows].clone() for k in keys],
-                [v[rows].clone() for v in values],
+    ) -> None:
+        """Copy the pieces' rows out of the pool (one gather per layer, the scheduler waits for
+        it); the rest runs on the background thread."""
+        index = torch.cat([torch.arange(s, e) for s, e, _ in spans]).to(slots.device)
+        rows = slots[index].to(torch.long)
+        layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+        keys = gather_rows([kv_pool.get_key_buffer(layer) for layer in layers], rows)
+        values = gather_rows([kv_pool.get_value_buffer(layer) for layer in layers], rows)
+        args = (tokens, spans, keys, values, index, self.registry.rope, self.registry.alpha)
+        if self._worker is None:
+            self._store(_prepared(*args))
+            return
+        ids = frozenset(chunk_id for _, _, chunk_id in spans)
+        self._jobs.append((self._worker.submit(_prepared, *args), ids))
+        self._pending |= ids
+
+    def settle(self, token_ids: Sequence[int] | None = None, wait: bool = False) -> None:
+        """Store the pieces prepared so far (scheduler thread). `wait`: every pending piece
+        first; `token_ids`: the pending pieces of that prompt first (a request about to be
+        matched against the registry)."""
+        if not self._jobs:
+            return
+        last = len(self._jobs) - 1 if wait else -1  # the last job to wait for
+        if token_ids is not None and not wait:
+            wanted = {
+                chunk_hash(token_ids[start:end])
+                for start, end in document_segments(token_ids, self.breaks, self.rule)
+            }
+            if not wanted.isdisjoint(self._pending):  # one worker: jobs finish in order
+                last = max(i for i, (_, ids) in enumerate(self._jobs) if not wanted.isdisjoint(ids))
+        began, done = time.perf_counter(), 0
+        while self._jobs and (done <= last or self._jobs[0][0].done()):
+            future, ids = self._jobs.popleft()
+            self._pending -= ids
+            done += 1
+            try:
+                self._store(future.result())
+            except Exception:  # a bug, not a fault of the request: logged, counted, served on
+                logger.exception("auto_chunks: %d pieces not prepared", len(ids))
+                for _ in ids:
+                    self._count("failed", 0)
+        self.seconds += time.perf_counter() - began
+
+    def _store(self, pieces: list[_Piece]) -> None:
+        for piece in pieces:
+            # Registered meanwhile (POST /chunks of the same document): kept once.
+            stored = piece.chunk_id in self.registry.store or self.registry.store_rows(
+                piece.token_ids,
+                piece.keys,
+                piece.values,
                 self.codec,
-                tuple(int(t) for t in tokens[:start]),
+                piece.prefix,
                 quiet=True,
-                freq_scores=stacked_frequency_scores(
-                    all_keys[rows], all_values[rows], self.registry.alpha
-                ),
+                freq_scores=piece.freq_scores,
             )
-            self._count("captured" if stored else "failed", end - start)
-            kept += stored
-            offset += end - start
-        return kept
+            self._count("captured" if stored else "failed", len(piece.token_ids))
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _take_slot(self) -> bool:
         now = self._clock()
@@ -189,6 +293,7 @@ class AutoCapture:
             metrics.auto_chunk(outcome, num_tokens)
 
     def stats(self) -> dict[str, Any]:
+        self.settle(wait=True)
         return {
             **self.counts,
             "tokens_captured": self.tokens_captured,

@@ -105,6 +105,8 @@ class FusionRuntime:
                 and registration_id(req) is None
                 and _static_fallback_reason(req) is None
             ):
+                if self.auto_capture is not None:  # its documents kept by earlier requests
+                    self.auto_capture.settle(req.origin_input_ids)
                 matches = self.registry.index.find(req.origin_input_ids)
                 last_chunk_end = matches[-1].prompt_end if matches else None
             cached = (generation, last_chunk_end)
@@ -264,6 +266,8 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
         return
     tokens = list(req.origin_input_ids)
     plan.probe_form = probe_form_of(req)
+    if rt.auto_capture is not None:
+        rt.auto_capture.settle(tokens)
     held = pin_request_chunks(rt.registry, tokens, plan.probe_form)
     plan.segments, plan.pinned, plan.chunk_tiers = held.segments, held.pinned, held.tiers
     plan.tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched

@@ -15,16 +15,22 @@ import torch
 from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
 
 
+def gather_rows(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """The rows at `slots` of every layer's buffer, layer-major ([L, n, ...]), in one copy."""
+    first = buffers[0]
+    out = first.new_empty((len(buffers), slots.numel(), *first.shape[1:]))
+    for layer, buffer in enumerate(buffers):
+        torch.index_select(buffer, 0, slots, out=out[layer])
+    return out
+
+
 def pre_rope_rows(
     kv_pool: Any, slots: torch.Tensor, positions: torch.Tensor, rope: RopeSpec
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer, the K rows at `slots` of SGLang's KV pool rotated back to pre-RoPE from
-    `positions`, and the V rows, on the CPU."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K rows at `slots` of SGLang's KV pool rotated back to pre-RoPE from `positions`, and
+    the V rows, every layer stacked ([L, n, H, D] each), on the CPU."""
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
-    stacked = torch.stack([kv_pool.get_key_buffer(layer)[slots] for layer in layers], dim=1)
-    n, num_layers, heads = stacked.shape[:3]
-    # One rotation over every layer's heads ([n, L*H, D]): the tables are the positions' only.
-    flat = unrotate(stacked.reshape(n, num_layers * heads, -1), positions, rope)
-    keys = list(flat.reshape(stacked.shape).transpose(0, 1).contiguous().cpu().unbind(dim=0))
-    values = [kv_pool.get_value_buffer(layer)[slots].cpu() for layer in layers]
-    return keys, values
+    keys = gather_rows([kv_pool.get_key_buffer(layer) for layer in layers], slots)
+    values = gather_rows([kv_pool.get_value_buffer(layer) for layer in layers], slots)
+    # One rotation over every layer: the tables are the positions' only.
+    return unrotate(keys, positions.to(keys.device), rope).cpu(), values.cpu()

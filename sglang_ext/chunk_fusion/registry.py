@@ -223,7 +223,9 @@ class ChunkRegistry:
         start = len(prefix)
         positions = torch.arange(start, start + len(token_ids), device=slots.device)
         keys, values = pre_rope_rows(kv_pool, slots, positions, self._rope)
-        return self.store_rows(token_ids, keys, values, codec, prefix)
+        return self.store_rows(
+            token_ids, list(keys.unbind(0)), list(values.unbind(0)), codec, prefix
+        )
 
     @property
     def rope(self) -> RopeSpec:

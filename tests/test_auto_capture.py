@@ -1,0 +1,116 @@
+"""`AutoCapture` in process, over a stand-in for SGLang's KV pool: pieces prepared on the
+background thread are the pieces prepared inline, and a prompt waits only for its own pieces."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sglang_hicache_ext.fusion.chunk import chunk_hash
+from sglang_hicache_ext.fusion.frequency import layer_frequency_scores
+from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope
+from sglang_hicache_ext.radix.segments import SegmentRule
+from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+
+LAYERS, HEADS, DIM = 3, 2, 16
+BREAK = 0
+SPEC = RopeSpec(inv_freq=1.0 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM)))
+
+
+class _Pool:
+    """The part of SGLang's KV pool a capture reads: per-layer buffers of rotated keys."""
+
+    def __init__(self, slots: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.start_layer, self.layer_num = 0, LAYERS
+        self.raw = [torch.randn(slots, HEADS, DIM, generator=generator) for _ in range(LAYERS)]
+        self.values = [torch.randn(slots, HEADS, DIM, generator=generator) for _ in range(LAYERS)]
+        self.keys: list[torch.Tensor] = []
+
+    def place(self, slots: torch.Tensor) -> None:
+        """Rotate the raw keys at `slots` to the prompt positions 0..n-1 they sit at."""
+        self.keys = [k.clone() for k in self.raw]
+        for layer in range(LAYERS):
+            self.keys[layer][slots] = apply_rope(
+                self.raw[layer][slots], torch.arange(len(slots)), SPEC
+            )
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.keys[layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.values[layer]
+
+
+def _prompt(docs: list[list[int]]) -> list[int]:
+    tokens: list[int] = []
+    for doc in docs:
+        tokens += [*doc, BREAK]
+    return tokens
+
+
+def _docs(count: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 1000, (40,), generator=generator).tolist() for _ in range(count)]
+
+
+def _capture(background: bool) -> AutoCapture:
+    registry = ChunkRegistry(64 << 20, SPEC)
+    return AutoCapture(
+        registry, frozenset({BREAK}), SegmentRule(32, 512, 256), 600, None, background=background
+    )
+
+
+def _run(capture: AutoCapture, pool: _Pool, rid: str, tokens: list[int]) -> int:
+    slots = torch.randperm(pool.values[0].shape[0], generator=torch.Generator().manual_seed(7))
+    slots = slots[: len(tokens)]
+    pool.place(slots)
+    return capture.capture(rid, tokens, pool, slots)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_pieces_are_the_rows_the_prompt_computed_rotated_back(background: bool) -> None:
+    pool, capture = _Pool(400, seed=1), _capture(background)
+    docs = _docs(3, seed=2)
+    tokens = _prompt(docs)
+    slots = torch.randperm(400, generator=torch.Generator().manual_seed(7))[: len(tokens)]
+    assert _run(capture, pool, "a", tokens) == 3
+    capture.settle(wait=True)
+    store = capture.registry.store
+    for number, doc in enumerate(docs):
+        start = number * (len(doc) + 1)
+        chunk = store.peek(chunk_hash(doc))
+        assert chunk is not None
+        rows = slots[start : start + len(doc)]
+        for layer in range(LAYERS):
+            torch.testing.assert_close(
+                chunk.keys[layer], pool.raw[layer][rows], atol=1e-5, rtol=1e-5
+            )
+            assert torch.equal(chunk.values[layer], pool.values[layer][rows])
+        torch.testing.assert_close(
+            chunk.freq_scores, layer_frequency_scores(chunk.keys, chunk.values)
+        )
+        assert capture.registry.prefix_of(chunk_hash(doc))[1] == start
+    assert capture.stats()["captured"] == 3 and capture.stats()["tokens_captured"] == 120
+
+
+def test_a_prompt_waits_only_for_its_own_pending_pieces() -> None:
+    pool, capture = _Pool(400, seed=3), _capture(background=True)
+    gate = threading.Event()
+    assert capture._worker is not None
+    capture._worker.submit(gate.wait)  # the worker is busy until the gate opens
+    first, other = _docs(2, seed=4), _docs(2, seed=5)
+    assert _run(capture, pool, "first", _prompt(first)) == 2
+    capture.settle(_prompt(other))  # holds none of the pending pieces: returns at once
+    assert chunk_hash(first[0]) not in capture.registry.store
+    # The same documents again while pending: counted covered, not prepared twice.
+    assert _run(capture, pool, "again", _prompt(first)) == 0
+    assert capture.counts["covered"] == 2
+    threading.Timer(0.2, gate.set).start()
+    capture.settle(_prompt([first[1]]))  # waits for the job holding it
+    assert chunk_hash(first[1]) in capture.registry.store
+    assert capture.registry.index.find(_prompt(other + [first[1]]))
+    assert capture.stats()["captured"] == 2
