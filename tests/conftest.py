@@ -1,12 +1,16 @@
 """Shared fixtures: prepared models, and the real SGLang servers that several test files use
-(one per session each, a start costs 20-30 s of imports on 2 cores; stopped after the last test
-that uses it: tests/shared_servers.py)."""
+(one per session each, stopped after the last test that uses it: tests/shared_servers.py).
+Every server of the session is forked from one process that imported SGLang once
+(tests/server_zygote.py: a start costs seconds instead of 20-30 s of imports on 2 cores),
+except where a test asks for `spawned_servers`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +25,10 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     free_port,
     generate,
+    server_starter,
+    start_subprocess,
 )
+from tests.server_zygote import zygote  # noqa: E402
 from tests.shared_servers import SharedServers  # noqa: E402
 
 __all__ = ["E2E_DEVICE_TOKENS", "generate"]
@@ -32,14 +39,27 @@ E2E_DEVICE_TOKENS = 4096
 CHUNKED_PREFILL_TOKENS = 128
 
 SHARED_SERVERS = SharedServers()
+SERVER_FORKS = contextlib.ExitStack()
+ZYGOTE_DIR = Path(tempfile.mkdtemp(prefix="server-zygote-"))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     SHARED_SERVERS.start_session()
+    # Servers are forked from one process that imports SGLang once (tests/server_zygote.py);
+    # it imports on the other core while the first tests run.
+    SERVER_FORKS.enter_context(server_starter(SERVER_FORKS.enter_context(zygote(ZYGOTE_DIR)).start))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     SHARED_SERVERS.end_session()
+    SERVER_FORKS.close()
+
+
+@pytest.fixture
+def spawned_servers() -> Iterator[None]:
+    """Servers started as `python -m sglang.launch_server` subprocesses, as users start them."""
+    with server_starter(start_subprocess):
+        yield
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -198,8 +218,14 @@ def tiny_qwen2_server(
     tiny_qwen2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerConfig]:
     """`tiny_qwen2_config`, one per session: shared by tests/test_server_plain_tree.py and the
-    no-keys setup of tests/test_server_auth.py."""
+    no-keys setup of tests/test_server_auth.py. Started as users start it, `python -m
+    sglang.launch_server` (SGLang spawning its scheduler, which loads the plugin itself), where
+    the other servers are forked from the test zygote."""
     workdir = tmp_path_factory.mktemp("tiny_qwen2_server")
     config = tiny_qwen2_config(tiny_qwen2_path)
-    with SHARED_SERVERS.serve("tiny_qwen2_server", config, workdir / "server.log") as running:
+    with contextlib.ExitStack() as stack:
+        with server_starter(start_subprocess):
+            running = stack.enter_context(
+                SHARED_SERVERS.serve("tiny_qwen2_server", config, workdir / "server.log")
+            )
         yield running

@@ -18,6 +18,9 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     running_servers,
 )
 
+# Stand-ins are not SGLang: started as subprocesses, not forked from the test zygote.
+pytestmark = pytest.mark.usefixtures("spawned_servers")
+
 # argv: port, seconds before it listens (negative: exit with status 3 instead), stamp file.
 STAND_IN = """
 import http.server, pathlib, sys, time

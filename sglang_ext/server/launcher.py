@@ -14,10 +14,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import requests
@@ -136,7 +136,18 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
-def stop_process_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+class ServerProcess(Protocol):
+    """The part of `subprocess.Popen` the launcher uses (the server leads its process group)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def stop_process_group(process: ServerProcess, grace_s: float = 15.0) -> None:
     if process.poll() is not None:
         return
     try:
@@ -169,10 +180,10 @@ def running_servers(
     overlap finish sooner than one after another. Yields the configs once every server is
     healthy; stops them all on exit, or when one fails to start."""
     previous_handler = exit_on_sigterm()
-    processes: list[subprocess.Popen[bytes]] = []
+    processes: list[ServerProcess] = []
     try:
         for config, log_path in servers:
-            processes.append(_start(config, log_path))
+            processes.append(_starter(config, log_path))
         deadline = time.monotonic() + startup_timeout_s
         for process, (config, log_path) in zip(processes, servers, strict=True):
             _wait_until_healthy(process, config, log_path, deadline, startup_timeout_s)
@@ -184,7 +195,8 @@ def running_servers(
             signal.signal(signal.SIGTERM, previous_handler)
 
 
-def _start(config: ServerConfig, log_path: Path) -> subprocess.Popen[bytes]:
+def start_subprocess(config: ServerConfig, log_path: Path) -> ServerProcess:
+    """`python -m sglang.launch_server ...` in its own session, output to `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         return subprocess.Popen(
@@ -196,8 +208,24 @@ def _start(config: ServerConfig, log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
+ServerStarter = Callable[[ServerConfig, Path], ServerProcess]
+_starter: ServerStarter = start_subprocess
+
+
+@contextmanager
+def server_starter(starter: ServerStarter) -> Iterator[None]:
+    """Start the servers of `running_servers` with `starter` inside the block (the test session
+    forks them from a process that imported SGLang once: tests/server_zygote.py)."""
+    global _starter
+    previous, _starter = _starter, starter
+    try:
+        yield
+    finally:
+        _starter = previous
+
+
 def _wait_until_healthy(
-    process: subprocess.Popen[bytes],
+    process: ServerProcess,
     config: ServerConfig,
     log_path: Path,
     deadline: float,

@@ -1,0 +1,205 @@
+"""Test servers forked from one process that has imported SGLang already.
+
+A server start on this 2-core machine is mostly imports: `python -m sglang.launch_server`
+imports SGLang (~10 s), then SGLang spawns its scheduler and detokenizer, which import it again
+(~10 s more, both at once). The test session starts one zygote process that imports the server
+once; each test server is a fork of it that runs what `python -m sglang.launch_server` runs,
+with the server's own environment, log file and process session, and whose scheduler and
+detokenizer are forked too (SGLang asks for spawn; the fork gives them the same modules).
+
+What the forks skip is the import, not the server: the same `launch_server` code, flags,
+plugin entry points and hooks run in every process (the scheduler and detokenizer inherit the
+hooks that `load_plugins` applied in their parent, which is what loading them again would do).
+The plain `python -m sglang.launch_server` path stays tested: `tests/test_launcher.py` and
+the refused launches start real subprocesses (`spawned_servers`).
+
+    python -m tests.server_zygote SOCKET   # serves forks until the connection closes
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
+
+# What `python -m sglang.launch_server` and SGLang's children import before serving.
+PRELOAD = (
+    "sglang.launch_server",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.models.registry",
+    "sglang_hicache_ext.sglang_ext.plugin",
+)
+
+
+class ForkedServer:
+    """A server forked by the zygote, with the part of `subprocess.Popen` the launcher uses."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self._zygote, self.pid = zygote, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.returncode(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"server {self.pid}", timeout or 0.0)
+            time.sleep(0.1)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class Zygote:
+    """The test session's side: starts the zygote, asks it for forks."""
+
+    def __init__(self, socket_dir: Path) -> None:
+        address = str(socket_dir / "zygote.sock")
+        with open(socket_dir / "zygote.log", "wb") as log:  # SGLang's import-time warnings
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "tests.server_zygote", address],
+                cwd=Path(__file__).resolve().parent.parent,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 120
+        while not os.path.exists(address):
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server zygote did not start (status {self._process.poll()})")
+            time.sleep(0.05)
+        self._connection: Connection = Client(address, family="AF_UNIX")
+
+    def start(self, config: ServerConfig, log_path: Path) -> ForkedServer:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = config.command()
+        assert command[1:3] == ["-m", "sglang.launch_server"], command
+        pid = self._ask(("start", command[3:], config.environment(), str(log_path)))
+        return ForkedServer(self, pid)
+
+    def returncode(self, pid: int) -> int | None:
+        return self._ask(("status", pid))
+
+    def _ask(self, message: tuple[Any, ...]) -> Any:
+        self._connection.send(message)
+        reply = self._connection.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._connection.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=10)
+        if self._process.poll() is None:
+            self._process.kill()
+
+
+def _serve(address: str) -> None:
+    for module in PRELOAD:
+        __import__(module)
+    with Listener(address, family="AF_UNIX") as listener, listener.accept() as connection:
+        exited: dict[int, int] = {}
+        while True:
+            try:
+                message = connection.recv()
+            except EOFError:
+                return
+            _reap(exited)
+            if message[0] == "start":
+                connection.send(_fork_server(connection, *message[1:]))
+            elif message[0] == "status":
+                connection.send(exited.get(message[1]))
+            else:
+                connection.send(ValueError(f"unknown zygote request {message!r}"))
+
+
+def _reap(exited: dict[int, int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        exited[pid] = os.waitstatus_to_exitcode(status)
+
+
+def _fork_server(connection: Connection, args: Sequence[str], env: dict[str, str], log: str) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the server: never returns into the zygote's loop
+        connection.close()
+        os.setsid()
+        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null_fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null_fd, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.environ.clear()
+        os.environ.update(env)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _launch(list(args))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _launch(args: list[str]) -> None:
+    """What `python -m sglang.launch_server ARGS` runs, with SGLang's children forked."""
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    sys.argv = ["sglang.launch_server", *args]
+    set_start_method = multiprocessing.set_start_method
+
+    def fork_instead(method: str | None, force: bool = False) -> None:
+        set_start_method("fork", force=True)
+
+    multiprocessing.set_start_method = fork_instead  # type: ignore[assignment]
+    load_plugins()
+    server_args = prepare_server_args(args)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+@contextlib.contextmanager
+def zygote(socket_dir: Path) -> Iterator[Zygote]:
+    started = Zygote(socket_dir)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
