@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -34,7 +35,6 @@ from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
 
 # What `python -m sglang.launch_server` and SGLang's children import before serving.
 PRELOAD = (
-    "sglang.launch_server",
     "sglang.srt.entrypoints.http_server",
     "sglang.srt.managers.scheduler",
     "sglang.srt.managers.detokenizer_manager",
@@ -171,25 +171,17 @@ def _fork_server(connection: Connection, args: Sequence[str], env: dict[str, str
 
 
 def _launch(args: list[str]) -> None:
-    """What `python -m sglang.launch_server ARGS` runs, with SGLang's children forked."""
-    from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
-
-    sys.argv = ["sglang.launch_server", *args]
+    """`python -m sglang.launch_server ARGS`: the module run as `__main__` (so the extension
+    sees a command-line launch: one-line errors, the port check, its timers), with SGLang's
+    children forked."""
     set_start_method = multiprocessing.set_start_method
 
     def fork_instead(method: str | None, force: bool = False) -> None:
         set_start_method("fork", force=True)
 
     multiprocessing.set_start_method = fork_instead  # type: ignore[assignment]
-    load_plugins()
-    server_args = prepare_server_args(args)
-    try:
-        run_server(server_args)
-    finally:
-        kill_process_tree(os.getpid(), include_parent=False)
+    sys.argv = ["sglang.launch_server", *args]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
 
 @contextlib.contextmanager

@@ -110,7 +110,9 @@ def test_a_prompt_waits_only_for_its_own_pending_pieces() -> None:
     assert _run(capture, pool, "again", _prompt(first)) == 0
     assert capture.counts["covered"] == 2
     threading.Timer(0.2, gate.set).start()
-    capture.settle(_prompt([first[1]]))  # waits for the job holding it
+    # Behind a label of its own (another paragraph, another hash), matched like a stored chunk:
+    # waits for the job holding it.
+    capture.settle(_prompt([[7, 8, 9, *first[1]]]))
     assert chunk_hash(first[1]) in capture.registry.store
     assert capture.registry.index.find(_prompt(other + [first[1]]))
     assert capture.stats()["captured"] == 2

@@ -7,8 +7,12 @@ import signal
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from tests.shared_servers import SharedServers
 from tests.test_launcher import _listening, _stand_in
+
+pytestmark = pytest.mark.usefixtures("spawned_servers")  # stand-ins: subprocesses, not forks
 
 
 def _item(nodeid: str, *fixtures: str) -> SimpleNamespace:

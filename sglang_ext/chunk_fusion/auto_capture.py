@@ -20,8 +20,9 @@ scoring and copying each piece out run on one background thread, so the request 
 the documents answers without waiting for them. Finished pieces are stored and indexed on the
 scheduler thread, where every other reader of the registry runs: when a later request is
 planned, when a control request or a status reads the registry (these wait for every pending
-piece), and before the next capture. A later prompt that holds a piece still being prepared
-waits for it: its second sight is reused however soon it comes.
+piece), and before the next capture. A later prompt that would match a piece still being
+prepared (pending pieces have an index of their own, like the registry's) waits for it: a
+document's second sight is reused however soon it comes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.fusion.frequency import stacked_frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
+from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import gather_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
@@ -132,7 +134,9 @@ class AutoCapture:
             ThreadPoolExecutor(1, thread_name_prefix="hicache-ext-capture") if background else None
         )
         self._jobs: deque[tuple[Future[list[_Piece]], frozenset[str]]] = deque()
-        self._pending: set[str] = set()  # chunk ids of the pieces in `_jobs`
+        # The pieces in `_jobs`, indexed as the registry indexes chunks: a later prompt that
+        # would match one waits for it.
+        self._pending = ChunkIndex()
 
     @classmethod
     def for_settings(
@@ -222,26 +226,25 @@ class AutoCapture:
             return
         ids = frozenset(chunk_id for _, _, chunk_id in spans)
         self._jobs.append((self._worker.submit(_prepared, *args), ids))
-        self._pending |= ids
+        for start, end, chunk_id in spans:
+            self._pending.add(chunk_id, tokens[start:end])
 
     def settle(self, token_ids: Sequence[int] | None = None, wait: bool = False) -> None:
         """Store the pieces prepared so far (scheduler thread). `wait`: every pending piece
-        first; `token_ids`: the pending pieces of that prompt first (a request about to be
-        matched against the registry)."""
+        first; `token_ids`: the pending pieces that prompt would match first (a request about to
+        be matched against the registry)."""
         if not self._jobs:
             return
         last = len(self._jobs) - 1 if wait else -1  # the last job to wait for
         if token_ids is not None and not wait:
-            wanted = {
-                chunk_hash(token_ids[start:end])
-                for start, end in document_segments(token_ids, self.breaks, self.rule)
-            }
-            if not wanted.isdisjoint(self._pending):  # one worker: jobs finish in order
+            wanted = {match.chunk_id for match in self._pending.find(token_ids)}
+            if wanted:  # one worker: jobs finish in order
                 last = max(i for i, (_, ids) in enumerate(self._jobs) if not wanted.isdisjoint(ids))
         began, done = time.perf_counter(), 0
         while self._jobs and (done <= last or self._jobs[0][0].done()):
             future, ids = self._jobs.popleft()
-            self._pending -= ids
+            for chunk_id in ids:
+                self._pending.remove(chunk_id)
             done += 1
             try:
                 self._store(future.result())
