@@ -4,13 +4,12 @@ injected write faults, and writers killed mid-write."""
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import random
 import signal
-import subprocess
-import sys
-import textwrap
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -178,34 +177,32 @@ def test_bad_settings_and_keys_are_refused(tmp_path: Path) -> None:
         tier.put("../escape", make_chunk(1))
 
 
-_WRITER = textwrap.dedent(
-    """
-    import sys
-    sys.path.insert(0, {tests!r})
-    from test_chunk_disk import make_chunk
-    from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
-    tier = ChunkDiskTier({directory!r}, 10**9)
-    print("ready", flush=True)
+def _write_forever(directory: str, ready: Connection) -> None:
+    """A writer process: puts the same six chunks in turn until it is killed."""
+    torch.set_num_threads(1)  # forked from the test process: no OpenMP pool of its own
+    tier = ChunkDiskTier(directory, 10**9)
+    ready.send("ready")
     seed = 0
     while True:
         chunk = make_chunk(seed % 6, tokens=512, layers=4)
         tier.put(chunk.content_hash, chunk)
         seed += 1
-    """
-)
 
 
 def test_writers_killed_mid_write_never_leave_a_bad_chunk(tmp_path: Path) -> None:
     expected = {c.content_hash: c for c in (make_chunk(s, tokens=512, layers=4) for s in range(6))}
     rng = random.Random(7)
     found = interrupted = 0
+    # Forked writers: a fresh interpreter per trial would spend its time importing torch.
+    fork = multiprocessing.get_context("fork")
     for trial in range(20):
-        script = _WRITER.format(tests=str(Path(__file__).parent), directory=str(tmp_path))
-        writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        ours, theirs = fork.Pipe()
+        writer = fork.Process(target=_write_forever, args=(str(tmp_path), theirs), daemon=True)
+        writer.start()
+        assert ours.poll(60) and ours.recv() == "ready"
         time.sleep(rng.uniform(0.0, 0.4))
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
+        os.kill(writer.pid or 0, signal.SIGKILL)
+        writer.join()
         tier = ChunkDiskTier(tmp_path, 10**9)  # opens every time
         assert tier.stats().corrupt_dropped == 0, trial
         interrupted += tier.stats().interrupted_writes

@@ -148,16 +148,44 @@ class ServerProcess(Protocol):
 
 
 def stop_process_group(process: ServerProcess, grace_s: float = 15.0) -> None:
+    """SIGTERM to the server's whole process group; SIGKILL what is left after `grace_s`.
+
+    SGLang's launcher, seeing its scheduler stopped by the same signal, sleeps 5 s "to let GPU
+    activity settle" before crash diagnostics of processes that are gone: once the launcher is
+    the last process of its group it has nothing left to stop, and is killed."""
     if process.poll() is not None:
         return
     try:
         os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + grace_s
+        while process.poll() is None and time.monotonic() < deadline:
+            if not _others_in_group(process.pid):
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+            time.sleep(0.1)
+        else:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=grace_s)
     except ProcessLookupError:
         pass
+
+
+def _others_in_group(pgid: int) -> bool:
+    """Whether a live process other than the leader (and multiprocessing's resource tracker,
+    which leaves with it) is in the group."""
+    for other in psutil.process_iter(["pid", "status", "cmdline"]):
+        try:
+            if other.pid == pgid or os.getpgid(other.pid) != pgid:
+                continue
+        except (ProcessLookupError, PermissionError):
+            continue
+        if other.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if "resource_tracker" in " ".join(other.info["cmdline"] or ()):
+            continue
+        return True
+    return False
 
 
 @contextmanager
