@@ -273,7 +273,7 @@ def _wait_until_healthy(
             raise ServerStartError(
                 f"server not healthy after {startup_timeout_s:.0f}s; log {log_path}:\n{_tail(log_path)}"
             )
-        time.sleep(1.0)
+        time.sleep(0.25)  # a refused connection costs nothing; a forked test server starts in ~4 s
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
