@@ -268,10 +268,6 @@ class AutoCapture:
             )
             self._count("captured" if stored else "failed", len(piece.token_ids))
 
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
-
     def _take_slot(self) -> bool:
         now = self._clock()
         while self._recent and now - self._recent[0] >= _WINDOW_S:
