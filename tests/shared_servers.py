@@ -19,8 +19,11 @@ import pytest
 
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
+    ServerProcess,
     exit_on_sigterm,
     running_server,
+    start_server,
+    stop_process_group,
 )
 
 
@@ -29,6 +32,7 @@ class SharedServers:
         self._last_user: dict[str, str] = {}  # fixture name -> node id of its last selected test
         self._running: dict[str, contextlib.ExitStack] = {}
         self._previous_sigterm: Any = None
+        self._started_early: dict[str, ServerProcess] = {}
 
     def start_session(self) -> None:
         # Shared servers stop in another order than they started: hold SIGTERM -> SystemExit
@@ -36,6 +40,8 @@ class SharedServers:
         self._previous_sigterm = exit_on_sigterm()
 
     def end_session(self) -> None:
+        for process in self._started_early.values():  # started for tests that did not run
+            stop_process_group(process)
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
 
@@ -45,11 +51,24 @@ class SharedServers:
             for name in getattr(item, "fixturenames", ()):
                 self._last_user[name] = item.nodeid
 
+    def planned(self, name: str) -> bool:
+        """Whether a selected test uses the fixture `name`."""
+        return name in self._last_user
+
+    def start_early(self, name: str, config: ServerConfig, log_path: Path) -> None:
+        """Start `name`'s server now, without waiting: its fixture's `serve` (same config and
+        log) waits for it then. For a server whose start is mostly imports, which the other
+        core does while earlier tests run."""
+        self._started_early[name] = start_server(config, log_path)
+
     @contextlib.contextmanager
     def serve(self, name: str, config: ServerConfig, log_path: Path) -> Iterator[ServerConfig]:
         """`running_server` for the session fixture `name`; `release_after` may stop it early."""
         with contextlib.ExitStack() as stack:
-            running = stack.enter_context(running_server(config, log_path=log_path))
+            started = self._started_early.pop(name, None)
+            running = stack.enter_context(
+                running_server(config, log_path=log_path, started=started)
+            )
             self._running[name] = stack
             try:
                 yield running

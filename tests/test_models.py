@@ -45,3 +45,17 @@ def test_tiny_models_load_and_tokenize(
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
     assert torch.isfinite(logits).all()
+
+
+def test_smollm2_tokenizer_loads_as_its_declared_class(smollm2_path: Path) -> None:
+    """SGLang's loader keeps the declared GPT2Tokenizer at once (a generic TokenizersBackend is
+    loaded twice more, in each process of a server start), with the chat template's ids."""
+    from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(str(smollm2_path))
+    assert type(tokenizer).__name__ == "GPT2Tokenizer"
+    messages = [{"role": "user", "content": "Document 1. Paris is in France.\n\nQuestion: where?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")

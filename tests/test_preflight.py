@@ -16,7 +16,12 @@ from typing import Any
 
 import pytest
 
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    free_port,
+    start_server,
+    stop_process_group,
+)
 from sglang_hicache_ext.sglang_ext.server.preflight import (
     PreflightError,
     check_chunk_disk,
@@ -92,6 +97,19 @@ def _launch(
     )
 
 
+def refused_launch(config: ServerConfig, log_path: Path) -> subprocess.CompletedProcess[str]:
+    """A launch expected to end at once, started as the session starts servers (forked from the
+    test zygote, `tests/server_zygote.py`: the same launch code without 12 s of imports); its
+    exit status, and its output as stderr. The launches of this module stay real subprocesses."""
+    process = start_server(config, log_path)
+    try:
+        code = process.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        stop_process_group(process)
+        raise
+    return subprocess.CompletedProcess(config.command(), code, "", log_path.read_text())
+
+
 def _assert_clear_error(result: subprocess.CompletedProcess[str], needle: str) -> None:
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
@@ -107,9 +125,15 @@ class RefusedLaunch:
     seconds: float
 
 
-def _timed_launch(fields: dict[str, Any], env: dict[str, str] | None) -> RefusedLaunch:
+def _timed_launch(
+    fields: dict[str, Any], env: dict[str, str] | None, forked_log: Path | None
+) -> RefusedLaunch:
     started = time.monotonic()
-    result = _launch(ServerConfig(**{"port": free_port(), **fields}), env)
+    config = ServerConfig(**{"port": free_port(), **fields})
+    if forked_log is None:
+        result = _launch(config, env)
+    else:
+        result = refused_launch(dataclasses.replace(config, env=env or {}), forked_log)
     return RefusedLaunch(result, time.monotonic() - started)
 
 
@@ -120,10 +144,11 @@ def refused_launches(
     tiny_llama_path: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Future[RefusedLaunch]]]:
-    """The real launches this module expects refused, keyed by their test's name, run two at a
-    time from the first test that asks (the selected tests' launches only): a launch is ~12 s of
-    single-threaded imports before its one line, so on 2 cores two at once take little more
-    than one."""
+    """The launches this module expects refused, keyed by their test's name, run two at a time
+    from the first test that asks (the selected tests' launches only). Two are real
+    `python -m sglang.launch_server` subprocesses (~12 s of single-threaded imports before the
+    one line, both at once on the 2 cores); the others are forked from the test zygote, which
+    runs the same launch module as `__main__` without the imports (`refused_launch`)."""
     folder = tmp_path_factory.mktemp("refused_launches")
     disks = [tmp_path_factory.mktemp("chunk_disk") for _ in range(2)]  # one per launch
     files = {
@@ -161,9 +186,12 @@ def refused_launches(
                 {CONFIG_ENV_VAR: str(folder / "codec.json")},
             ),
         }
+        real = {"test_launch_with_bad_setting", "test_launch_on_busy_port"}
         selected = {item.name for item in request.session.items}
         yield {
-            name: pool.submit(_timed_launch, fields, env)
+            name: pool.submit(
+                _timed_launch, fields, env, None if name in real else folder / f"{name}.log"
+            )
             for name, (fields, env) in launches.items()
             if name in selected
         }

@@ -8,7 +8,6 @@ accesses recorded before (and can plan from them without a new request).
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import requests
 
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
 from tests.conftest import disk_tier_config, generate
+from tests.test_preflight import refused_launch
 from tests.test_server_disk_tier import _prompt, _set_ttls, _status
 
 pytestmark = pytest.mark.server
@@ -52,9 +52,7 @@ def test_history_survives_a_restart_and_a_second_server_is_refused(
 
         second = _config(smollm2_path, disk_dir)
         started = time.monotonic()
-        refused = subprocess.run(
-            second.command(), env=second.environment(), capture_output=True, text=True, timeout=300
-        )
+        refused = refused_launch(second, tmp_path / "second.log")
         refused_in_s = time.monotonic() - started
         assert refused.returncode == 2, refused.stderr[-3000:]
         assert "Traceback" not in refused.stderr

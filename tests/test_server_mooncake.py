@@ -20,7 +20,7 @@ import requests
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_servers
 from sglang_hicache_ext.sglang_ext.server.settings import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
-from tests.test_preflight import _assert_clear_error, _launch
+from tests.test_preflight import _assert_clear_error, refused_launch
 from tests.test_server_restart import DOCUMENTS, _chunks, _fused
 
 pytestmark = pytest.mark.server
@@ -124,10 +124,10 @@ def test_launch_with_the_master_not_listening(tiny_llama_path: Path, tmp_path: P
     closed = f"127.0.0.1:{free_port()}"
     settings = tmp_path / "ext.json"
     settings.write_text(json.dumps({"chunk_mooncake_master": closed}))
-    result = _launch(
-        ServerConfig(model_path=str(tiny_llama_path), port=free_port()),
-        {CONFIG_ENV_VAR: str(settings)},
+    config = ServerConfig(
+        model_path=str(tiny_llama_path), port=free_port(), env={CONFIG_ENV_VAR: str(settings)}
     )
+    result = refused_launch(config, tmp_path / "refused.log")
     _assert_clear_error(
         result,
         f"chunk_mooncake_master {closed} is unreachable (Connection refused); start the "

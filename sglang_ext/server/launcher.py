@@ -190,28 +190,36 @@ def _others_in_group(pgid: int) -> bool:
 
 @contextmanager
 def running_server(
-    config: ServerConfig, log_path: Path, startup_timeout_s: float = 300.0
+    config: ServerConfig,
+    log_path: Path,
+    startup_timeout_s: float = 300.0,
+    started: ServerProcess | None = None,
 ) -> Iterator[ServerConfig]:
     """Start the server, wait until `/health` answers, yield, then stop the whole process group.
+    `started`: the process `start_server` started for this config earlier, waited for instead.
 
     SIGTERM to the caller also stops the server: Python's default SIGTERM skips `finally`."""
-    with running_servers([(config, log_path)], startup_timeout_s) as (running,):
+    with running_servers(
+        [(config, log_path)], startup_timeout_s, started=None if started is None else [started]
+    ) as (running,):
         yield running
 
 
 @contextmanager
 def running_servers(
-    servers: Sequence[tuple[ServerConfig, Path]], startup_timeout_s: float = 300.0
+    servers: Sequence[tuple[ServerConfig, Path]],
+    startup_timeout_s: float = 300.0,
+    started: Sequence[ServerProcess] | None = None,
 ) -> Iterator[list[ServerConfig]]:
     """`running_server` for several servers (config, log path) started at once: a start is
     mostly Python imports, one core per process at first, so on a small machine starts that
     overlap finish sooner than one after another. Yields the configs once every server is
     healthy; stops them all on exit, or when one fails to start."""
     previous_handler = exit_on_sigterm()
-    processes: list[ServerProcess] = []
+    processes: list[ServerProcess] = list(started or ())
     try:
-        for config, log_path in servers:
-            processes.append(_starter(config, log_path))
+        for config, log_path in servers[len(processes) :]:
+            processes.append(start_server(config, log_path))
         deadline = time.monotonic() + startup_timeout_s
         for process, (config, log_path) in zip(processes, servers, strict=True):
             _wait_until_healthy(process, config, log_path, deadline, startup_timeout_s)
@@ -250,6 +258,11 @@ def server_starter(starter: ServerStarter) -> Iterator[None]:
         yield
     finally:
         _starter = previous
+
+
+def start_server(config: ServerConfig, log_path: Path) -> ServerProcess:
+    """Start one server the current way (`server_starter`) without waiting for it."""
+    return _starter(config, log_path)
 
 
 def _wait_until_healthy(
