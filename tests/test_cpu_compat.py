@@ -1,6 +1,8 @@
-"""CPU compatibility pieces: the KV row copy and the unpinned host pool."""
+"""CPU compatibility pieces: the KV row copy, the unpinned host pool, a prefill's first token."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -36,3 +38,33 @@ def test_host_pool_pinning_turned_off_unless_given() -> None:
     # An explicit positional or keyword choice is the caller's and is kept.
     assert _unpinned_host_pool(*args, True) is None
     assert _unpinned_host_pool(*args, pin_memory=False) is None
+
+
+def test_a_prefills_first_token_is_processed_before_the_next_forward_on_cpu() -> None:
+    """The overlap loop asks whether to process the last batch before running the next one:
+    on CPU, yes after a prefill (its first token would otherwise wait a decode step), as
+    SGLang decides otherwise (decode after decode keeps the overlap)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_hicache_ext.sglang_ext.cpu.compat import _first_token_before_next_forward
+
+    def batch(mode: ForwardMode) -> SimpleNamespace:
+        return SimpleNamespace(forward_mode=mode)
+
+    def sglang_says(answer: bool) -> Callable[..., bool]:
+        return lambda *_: answer
+
+    cpu = SimpleNamespace(device="cpu", result_queue=deque([object()]))
+    prefill, decode = batch(ForwardMode.EXTEND), batch(ForwardMode.DECODE)
+    assert _first_token_before_next_forward(sglang_says(False), cpu, decode, prefill)
+    assert _first_token_before_next_forward(sglang_says(False), cpu, None, prefill)
+    assert not _first_token_before_next_forward(sglang_says(False), cpu, decode, decode)
+    assert not _first_token_before_next_forward(sglang_says(False), cpu, prefill, None)
+    assert _first_token_before_next_forward(sglang_says(True), cpu, decode, decode)
+    nothing_queued = SimpleNamespace(device="cpu", result_queue=deque())
+    assert not _first_token_before_next_forward(sglang_says(False), nothing_queued, decode, prefill)
+    gpu = SimpleNamespace(device="cuda", result_queue=deque([object()]))
+    assert not _first_token_before_next_forward(sglang_says(False), gpu, decode, prefill)
