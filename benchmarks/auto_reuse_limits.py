@@ -25,7 +25,7 @@ latency against fusion off: one token repeated to near the context, 700 one-line
 cold (prefix tree flushed) three times.
 
     python -m benchmarks.auto_reuse_limits [--docs 10000 --per-request 20]
--> benchmarks/results/auto_reuse_limits.json
+-> benchmarks/results/auto_reuse_limits.json, .png
 """
 
 from __future__ import annotations
@@ -115,6 +115,44 @@ def settings_env(values: dict[str, Any]) -> dict[str, str]:
     path = Path(tempfile.mkdtemp(prefix="auto-limits-")) / "settings.json"
     path.write_text(json.dumps(values))
     return {"SGLANG_HICACHE_EXT_CONFIG": str(path)}
+
+
+def plot(report: dict[str, Any], out: Path) -> Path:
+    """The first prompts' latency per round with and without `auto_chunks`; the stream's
+    latency, resident memory and chunk bytes as it goes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (rounds, stream) = plt.subplots(1, 2, figsize=(11, 4))
+    labels, runs = [], []
+    for i, (off, on) in enumerate(
+        zip(report["latency_off_s"], report["latency_on_s"], strict=True)
+    ):
+        labels += [f"off {i + 1}", f"on {i + 1}"]
+        runs += [off, on]
+    rounds.boxplot(runs, tick_labels=labels)
+    rounds.set(ylabel="latency (s)", title="First prompts, 20 new documents each, per round")
+    stream.scatter(range(1, len(report["latency_stream_s"]) + 1), report["latency_stream_s"], s=4)
+    stream.set(xlabel="request", ylabel="latency (s)", title="The stream, auto_chunks on")
+    memory = stream.twinx()
+    at = [s["requests"] for s in report["samples"]]
+    memory.plot(at, [s["rss_bytes"] / 2**30 for s in report["samples"]], color="C1", label="RSS")
+    memory.plot(
+        at,
+        [s["host_bytes"] / 2**30 * 10 for s in report["samples"]],
+        color="C2",
+        label="chunk bytes x10",
+    )
+    memory.set(ylabel="GiB")
+    memory.set_ylim(bottom=0)
+    memory.legend(loc="center right")
+    figure.suptitle(f"{report['model']}, CPU: {report['command']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
 
 
 def paired_ratio(on: list[list[float]], off: list[list[float]]) -> float:
@@ -214,6 +252,7 @@ def main() -> int:
         "latency_stream_s": stream_latency,
     }
     args.out.write_text(json.dumps(report, indent=1))
+    plot(report, args.out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
     return 0
 
