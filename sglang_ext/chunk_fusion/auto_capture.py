@@ -16,8 +16,9 @@ a reused chunk hold recovered rows, so only pieces computed whole are taken. At 
 
 What the scheduler thread pays: cutting the prompt, matching it, and one copy of the kept
 pieces' rows out of the pool (they are the pool's only until then). Rotating the keys back,
-scoring and copying each piece out run on one background thread, so the request that brought
-the documents answers without waiting for them. Finished pieces are stored and indexed on the
+scoring and copying each piece out run in the background, one prompt's pieces at a time, each
+on a thread that ends with them (`ShortLivedWorker` says why), so the request that brought the
+documents answers without waiting for them. Finished pieces are stored and indexed on the
 scheduler thread, where every other reader of the registry runs: when a later request is
 planned, when a control request or a status reads the registry (these wait for every pending
 piece), and before the next capture. A later prompt that would match a piece still being
@@ -29,11 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +58,42 @@ _COVERED = 0.9
 _SEEN_REQUESTS = 4096  # the tree checkpoints a request more than once at its full length
 _WINDOW_S = 60.0
 OUTCOMES = ("captured", "covered", "over_cap", "not_computed", "failed")
+_T = TypeVar("_T")
+
+
+class ShortLivedWorker:
+    """Runs jobs one at a time, in order, each on a thread of its own that ends with the job.
+
+    Why not a `ThreadPoolExecutor`: a thread that stays alive after running torch ops keeps its
+    OpenMP team, and libgomp, counting more threads than cores, then makes every team stop
+    spinning between parallel regions, so each of a forward's thousands of regions wakes its
+    workers through the kernel. Measured on SmolLM2-135M (CPU, 2 cores): every forward of a
+    capturing server slower, 3x the voluntary context switches, a prompt of 20 new documents
+    1.11x of a server that keeps nothing (docs/auto-chunks.md). A thread that ends frees its
+    team; a job's thread waits for the one before it, so jobs still finish in order."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._last: threading.Thread | None = None
+
+    def submit(self, job: Callable[..., _T], *args: Any) -> Future[_T]:
+        future: Future[_T] = Future()
+        previous = self._last
+
+        def run() -> None:
+            if previous is not None:
+                previous.join()
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(job(*args))
+            except BaseException as err:  # handed to whoever reads the future
+                future.set_exception(err)
+
+        # A daemon: a server stopping mid-job does not wait for pieces nobody will store.
+        self._last = threading.Thread(target=run, name=self._name, daemon=True)
+        self._last.start()
+        return future
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +168,7 @@ class AutoCapture:
         self._recent: deque[float] = deque()
         self._seen: OrderedDict[str, None] = OrderedDict()
         # background=False prepares pieces on the caller's thread (tests, in-process use).
-        self._worker = (
-            ThreadPoolExecutor(1, thread_name_prefix="hicache-ext-capture") if background else None
-        )
+        self._worker = ShortLivedWorker("hicache-ext-capture") if background else None
         self._jobs: deque[tuple[Future[list[_Piece]], frozenset[str]]] = deque()
         # The pieces in `_jobs`, indexed as the registry indexes chunks: a later prompt that
         # would match one waits for it.
@@ -238,7 +274,7 @@ class AutoCapture:
         last = len(self._jobs) - 1 if wait else -1  # the last job to wait for
         if token_ids is not None and not wait:
             wanted = {match.chunk_id for match in self._pending.find(token_ids)}
-            if wanted:  # one worker: jobs finish in order
+            if wanted:  # jobs finish in order
                 last = max(i for i, (_, ids) in enumerate(self._jobs) if not wanted.isdisjoint(ids))
         began, done = time.perf_counter(), 0
         while self._jobs and (done <= last or self._jobs[0][0].done()):
