@@ -12,7 +12,7 @@ from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.fusion.frequency import layer_frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope
 from sglang_hicache_ext.radix.segments import SegmentRule
-from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
+from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture, ShortLivedWorker
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 
 LAYERS, HEADS, DIM = 3, 2, 16
@@ -116,3 +116,31 @@ def test_a_prompt_waits_only_for_its_own_pending_pieces() -> None:
     assert chunk_hash(first[1]) in capture.registry.store
     assert capture.registry.index.find(_prompt(other + [first[1]]))
     assert capture.stats()["captured"] == 2
+
+
+def test_background_jobs_run_in_order_each_on_a_thread_that_ends() -> None:
+    worker = ShortLivedWorker("test-capture")
+    gate, order, threads = threading.Event(), [], []
+
+    def job(name: str, wait: bool) -> str:
+        if wait:
+            gate.wait()
+        order.append(name)
+        threads.append(threading.current_thread())
+        return name
+
+    first, second = worker.submit(job, "first", True), worker.submit(job, "second", False)
+    assert not second.done()  # waits for the first job, which waits for the gate
+    gate.set()
+    assert (first.result(timeout=5), second.result(timeout=5)) == ("first", "second")
+    assert order == ["first", "second"] and threads[0] is not threads[1]
+    for thread in threads:  # no thread outlives its job (it would keep its OpenMP team)
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+
+    def broken() -> None:
+        raise RuntimeError("bug in a job")
+
+    with pytest.raises(RuntimeError, match="bug in a job"):
+        worker.submit(broken).result(timeout=5)
+    assert worker.submit(job, "after", False).result(timeout=5) == "after"
