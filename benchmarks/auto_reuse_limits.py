@@ -175,6 +175,8 @@ def main() -> int:
     parser.add_argument("--store-mb", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS / "auto_reuse_limits.json")
     args = parser.parse_args()
+    if args.rounds < 1 or args.baseline < 1:
+        parser.error("--rounds and --baseline must be at least 1")
     docs = unique_documents(args.docs)
     batches = [docs[i : i + args.per_request] for i in range(0, len(docs), args.per_request)]
     first = batches[: args.baseline]

@@ -67,9 +67,9 @@ class ShortLivedWorker:
     Why not a `ThreadPoolExecutor`: a thread that stays alive after running torch ops keeps its
     OpenMP team, and libgomp, counting more threads than cores, then makes every team stop
     spinning between parallel regions, so each of a forward's thousands of regions wakes its
-    workers through the kernel. Measured on SmolLM2-135M (CPU, 2 cores): every forward of a
-    capturing server slower, 3x the voluntary context switches, a prompt of 20 new documents
-    1.11x of a server that keeps nothing (docs/auto-chunks.md). A thread that ends frees its
+    workers through the kernel. Measured on SmolLM2-135M (CPU, 2 cores): a capturing server's
+    scheduler made 4,500 voluntary context switches a prompt with a pool thread, 1,600 with
+    threads that end (1,500 keeping nothing; docs/auto-chunks.md). A thread that ends frees its
     team; a job's thread waits for the one before it, so jobs still finish in order."""
 
     def __init__(self, name: str) -> None:
