@@ -144,3 +144,32 @@ def test_background_jobs_run_in_order_each_on_a_thread_that_ends() -> None:
     with pytest.raises(RuntimeError, match="bug in a job"):
         worker.submit(broken).result(timeout=5)
     assert worker.submit(job, "after", False).result(timeout=5) == "after"
+
+
+def test_a_cpu_forward_starts_after_every_pending_piece_is_stored() -> None:
+    # On CPU the forward's OpenMP team and the preparation would share the cores.
+    pool, capture = _Pool(400, seed=6), _capture(background=True)
+    gate = threading.Event()
+    assert capture._worker is not None
+    capture._worker.submit(gate.wait)
+    docs = _docs(2, seed=8)
+    assert _run(capture, pool, "a", _prompt(docs)) == 2
+    threading.Timer(0.2, gate.set).start()
+    capture.before_forward()
+    assert all(chunk_hash(doc) in capture.registry.store for doc in docs)
+    assert not capture._jobs and capture.counts["captured"] == 2
+
+
+def test_a_forward_off_the_cpu_does_not_wait_for_pending_pieces() -> None:
+    pool, capture = _Pool(400, seed=6), _capture(background=True)
+    pool.raw = [k.to("meta") for k in pool.raw]  # a device that is not the CPU's cores
+    pool.values = [v.to("meta") for v in pool.values]
+    pool.keys = pool.raw
+    gate = threading.Event()
+    assert capture._worker is not None
+    capture._worker.submit(gate.wait)
+    tokens = _prompt(_docs(2, seed=8))
+    assert capture.capture("a", tokens, pool, torch.arange(len(tokens), device="meta")) == 2
+    capture.before_forward()  # the gate is shut: returns at once
+    assert len(capture._jobs) == 1 and not capture._jobs[0][0].done()
+    gate.set()

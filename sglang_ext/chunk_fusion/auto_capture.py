@@ -170,6 +170,8 @@ class AutoCapture:
         # background=False prepares pieces on the caller's thread (tests, in-process use).
         self._worker = ShortLivedWorker("hicache-ext-capture") if background else None
         self._jobs: deque[tuple[Future[list[_Piece]], frozenset[str]]] = deque()
+        # Rows in host memory: the forward runs on the cores the preparation would use.
+        self._pool_on_cpu = False
         # The pieces in `_jobs`, indexed as the registry indexes chunks: a later prompt that
         # would match one waits for it.
         self._pending = ChunkIndex()
@@ -256,6 +258,7 @@ class AutoCapture:
         layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
         keys = gather_rows([kv_pool.get_key_buffer(layer) for layer in layers], rows)
         values = gather_rows([kv_pool.get_value_buffer(layer) for layer in layers], rows)
+        self._pool_on_cpu = keys.device.type == "cpu"
         args = (tokens, spans, keys, values, index, self.registry.rope, self.registry.alpha)
         if self._worker is None:
             self._store(_prepared(*args))
@@ -264,6 +267,16 @@ class AutoCapture:
         self._jobs.append((self._worker.submit(_prepared, *args), ids))
         for start, end, chunk_id in spans:
             self._pending.add(chunk_id, tokens[start:end])
+
+    def before_forward(self) -> None:
+        """Called before every forward (scheduler thread). On CPU the forward's OpenMP team
+        takes every core and each parallel region waits for its slowest thread: preparation
+        running beside it stalls the whole forward, which measured costlier than the
+        preparation itself (docs/auto-chunks.md). So there the preparation only overlaps the
+        scheduler's other work (sending the answer, receiving the next request) and the
+        forward waits for what is left of it. A GPU forward does not compete for the cores."""
+        if self._pool_on_cpu and self._jobs:
+            self.settle(wait=True)
 
     def settle(self, token_ids: Sequence[int] | None = None, wait: bool = False) -> None:
         """Store the pieces prepared so far (scheduler thread). `wait`: every pending piece

@@ -142,6 +142,8 @@ def forward_with_fusion(
 ) -> Any:
     """AROUND hook on ModelRunner._forward_raw."""
     rt = _runtime
+    if rt is not None and rt.auto_capture is not None:
+        rt.auto_capture.before_forward()
     if rt is None or not forward_batch.forward_mode.is_extend():
         return original(runner, forward_batch, *args, **kwargs)
     if forward_batch.forward_mode.is_mixed():
