@@ -18,7 +18,8 @@ What the scheduler thread pays: cutting the prompt, matching it, and one copy of
 pieces' rows out of the pool (they are the pool's only until then). Rotating the keys back,
 scoring and copying each piece out run in the background, one prompt's pieces at a time, each
 on a thread that ends with them (`ShortLivedWorker` says why), so the request that brought the
-documents answers without waiting for them. Finished pieces are stored and indexed on the
+documents answers without waiting for them; on CPU the next forward waits for what is left of
+them (`before_forward` says why). Finished pieces are stored and indexed on the
 scheduler thread, where every other reader of the registry runs: when a later request is
 planned, when a control request or a status reads the registry (these wait for every pending
 piece), and before the next capture. A later prompt that would match a piece still being
