@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.selectors import Selector
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 
 _DEFAULTS = ExtensionSettings()
 DEFAULT_SELECTOR = _DEFAULTS.fusion_selector

@@ -23,6 +23,7 @@ from rag_pipeline import ask, chat_prefix, connect
 
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, SMOLLM2, prepared_model
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
@@ -31,7 +32,6 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     free_port,
     running_server,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 
 def main() -> int:

@@ -14,14 +14,14 @@ import multiprocessing
 
 from sglang_hicache_ext.sglang_ext import radix_cache
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
-from sglang_hicache_ext.sglang_ext.cpu import compat as cpu_compat
-from sglang_hicache_ext.sglang_ext.cpu import position_attention as attention_backend
-from sglang_hicache_ext.sglang_ext.server import http_routes, preflight
-from sglang_hicache_ext.sglang_ext.server.settings import (
+from sglang_hicache_ext.sglang_ext.config.settings import (
     ExtensionSettings,
     SettingsError,
     load_settings,
 )
+from sglang_hicache_ext.sglang_ext.cpu import compat as cpu_compat
+from sglang_hicache_ext.sglang_ext.cpu import position_attention as attention_backend
+from sglang_hicache_ext.sglang_ext.server import http_routes, preflight
 
 logger = logging.getLogger(__name__)
 

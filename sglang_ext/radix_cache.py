@@ -29,7 +29,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     ChunkRegistry,
     chunk_namespace,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, load_settings
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
 from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier

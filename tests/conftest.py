@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from scripts.prepare_models import SMOLLM2, TINY_LLAMA, TINY_QWEN2, prepare  # noqa: E402
-from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import disk_tier_extra_config  # noqa: E402
+from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import disk_tier_extra_config  # noqa: E402
 from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     free_port,

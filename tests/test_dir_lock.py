@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import disk_tier_extra_config
+from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import disk_tier_extra_config
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLock, DirectoryLockedError, holder_pid
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import ExtensionMetrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
 from tests.test_storage_backend_faults import PAGE_SIZE, open_backend
 
 LABELS = {"model_name": "org/tiny", "tp_rank": "0"}

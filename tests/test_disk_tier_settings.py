@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import (
+from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import (
     DiskTierSettings,
     disk_tier_extra_config,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import (
+from sglang_hicache_ext.sglang_ext.config.settings import (
     CONFIG_ENV_VAR,
     EXTRA_CONFIG_KEY,
     ExtensionSettings,

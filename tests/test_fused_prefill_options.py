@@ -8,7 +8,7 @@ import pytest
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOptions, parse_options
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, SettingsError
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, SettingsError
 
 DEFAULTS = ExtensionSettings(
     fusion_by_default=False,

@@ -75,6 +75,20 @@ def test_cores_depend_on_each_other_one_way(core: str) -> None:
     assert used <= ALLOWED_CORE_IMPORTS[core], f"{core}/ imports {sorted(used)}"
 
 
+@pytest.mark.parametrize("ground", ["config", "metrics"])
+def test_the_adapters_ground_imports_no_other_adapter_folder(ground: str) -> None:
+    # docs/architecture.md, "The dependency rule": settings and metrics are what every adapter
+    # folder stands on; one import from them back up (to chunk_fusion/, server/, ...) would tie
+    # the ground to the top again.
+    imported = re.compile(rf"^\s*(?:from|import)\s+{NAMESPACE}\.sglang_ext\.([a-z_]+)", re.M)
+    used = {
+        name
+        for path in (REPO / "sglang_ext" / ground).rglob("*.py")
+        for name in imported.findall(path.read_text())
+    } - {"config", "metrics"}
+    assert used == set(), f"sglang_ext/{ground}/ imports sglang_ext/{sorted(used)}"
+
+
 def test_every_import_goes_through_the_namespace() -> None:
     # The folders sit at the repository's top, so `import radix` would work from a checkout and
     # fail (or import someone else's `radix`) once installed.
@@ -296,7 +310,7 @@ def test_architecture_map_lists_every_package_folder() -> None:
 def test_architecture_page_names_only_files_that_exist() -> None:
     page = (REPO / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"`([a-z_/]+\.py)", page))
-    # Flows name modules relative to their folder (`server/settings.py`) or the repository.
+    # Flows name modules relative to their folder (`config/settings.py`) or the repository.
     roots = [REPO, REPO / "sglang_ext"]
     missing = sorted(n for n in named if not any((root / n).exists() for root in roots))
     assert named and missing == []

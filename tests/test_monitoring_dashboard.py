@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import (
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import (
     ExtensionMetrics,
     FusedTtftMetrics,
 )

@@ -166,7 +166,7 @@ def test_selection_and_flags() -> None:
     assert disk["class_name"] == "GroupTTLDiskStorage" and disk["initial_ttl_s"] == 600
     assert disk["capacity_bytes"] == 1300e9
     # The printed options are ones our backend accepts (checked like a launch would).
-    from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import DiskTierSettings
+    from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import DiskTierSettings
 
     assert DiskTierSettings.from_extra_config(disk).ttl_policy == "static"
     assert "--hicache-storage-backend" not in sglang_flags(cheap, Profile())

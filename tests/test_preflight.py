@@ -16,6 +16,12 @@ from typing import Any
 
 import pytest
 
+from sglang_hicache_ext.sglang_ext.config.settings import (
+    CONFIG_ENV_VAR,
+    EXTRA_CONFIG_KEY,
+    ExtensionSettings,
+    SettingsError,
+)
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     free_port,
@@ -30,12 +36,6 @@ from sglang_hicache_ext.sglang_ext.server.preflight import (
     check_model_path,
     check_port_free,
     check_ratio_table,
-)
-from sglang_hicache_ext.sglang_ext.server.settings import (
-    CONFIG_ENV_VAR,
-    EXTRA_CONFIG_KEY,
-    ExtensionSettings,
-    SettingsError,
 )
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
 from tests.server_processes import TCP_TIME_WAIT, tcp_states_on_port

@@ -10,8 +10,8 @@ import pytest
 from pydantic import BaseModel
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import OPTION_KEYS
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.server import reference
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 

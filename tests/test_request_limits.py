@@ -18,6 +18,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     registering_chunk,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import parse_options
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.radix_cache import _apply_ttl_request
 from sglang_hicache_ext.sglang_ext.server.request_limits import (
     RateLimiter,
@@ -25,7 +26,6 @@ from sglang_hicache_ext.sglang_ext.server.request_limits import (
     parse_json,
     read_bounded_body,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 DEFAULTS = ExtensionSettings()
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
-from sglang_hicache_ext.sglang_ext.server.extra_config import SettingsError
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.config.extra_config import SettingsError
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 
 BREAK = 0  # the test vocabulary's line break
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from sglang_hicache_ext.sglang_ext.config.settings import EXTRA_CONFIG_KEY
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     free_port,
@@ -25,7 +26,6 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     running_server,
     server_process_group,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import EXTRA_CONFIG_KEY
 
 pytestmark = pytest.mark.server
 

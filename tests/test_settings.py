@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hicache_ext.sglang_ext.server.settings import (
+from sglang_hicache_ext.sglang_ext.config.settings import (
     CONFIG_ENV_VAR,
     EXTRA_CONFIG_KEY,
     ExtensionSettings,

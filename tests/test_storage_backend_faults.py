@@ -23,9 +23,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 import sglang_hicache_ext.tiers.pages.page_store as page_store
+from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import disk_tier_extra_config
 from sglang_hicache_ext.sglang_ext.disk_tier.history import HISTORY_FILE_NAME
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import GroupTTLDiskStorage
-from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import disk_tier_extra_config
 from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -48,8 +48,8 @@ from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import gather_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment, slice_chunk
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunks.chunk_tiers import HOST
 
 

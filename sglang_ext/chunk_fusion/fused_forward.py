@@ -26,7 +26,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModel
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime, RequestPlan
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY, parse_options
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import FusedTtftMetrics
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import FusedTtftMetrics
 from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 
 logger = logging.getLogger(__name__)

@@ -33,9 +33,9 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import probe_for
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import registration_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOptions, parse_options
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
-from sglang_hicache_ext.sglang_ext.server.setting_types import AUTO_RATIO
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.config.setting_types import AUTO_RATIO
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tuning.ratio.self_tuned import SelfTunedRatios
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, load_ratio_table
 

@@ -34,7 +34,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
 from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
 from sglang_hicache_ext.tiers.chunks.chunk_tiers import (
     ChunkSummary,

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
-from sglang_hicache_ext.sglang_ext.server.setting_types import (
+from sglang_hicache_ext.sglang_ext.config.setting_types import (
     DECODE_CAPACITY_CHOICES,
     ContextTempering,
     DecodeCapacity,
@@ -22,8 +22,8 @@ from sglang_hicache_ext.sglang_ext.server.setting_types import (
     SinkTokens,
     selector_choices,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.server.validation_messages import bound_phrase
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.config.validation_messages import bound_phrase
 
 ENABLE_KEY = "fusion"
 SELECTOR_KEY = "fusion_selector"

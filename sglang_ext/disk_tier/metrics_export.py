@@ -1,4 +1,4 @@
-"""The disk tier's own counts on SGLang's Prometheus `/metrics` (`server/prometheus_metrics.py`).
+"""The disk tier's own counts on SGLang's Prometheus `/metrics` (`metrics/prometheus_metrics.py`).
 
 Page reads and writes are counted where they happen (`storage_backend`). What the cores and the
 other adapters count themselves (expiries in the disk store, plans in `OnlineTtl`, faults in
@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import (
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import (
     CountMirror,
     ExtensionMetrics,
     extension_metrics,

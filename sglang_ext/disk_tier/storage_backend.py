@@ -10,7 +10,7 @@ Loaded by SGLang's dynamic backend factory::
         "disk_budget_bytes": 32e9, "ttl_policy": "group"}'
 
 The keys beside SGLang's are the settings' `disk_tier` part (`DiskTierSettings` in
-`sglang_ext/server/disk_tier_settings.py`, whose `disk_tier_extra_config` builds that config).
+`sglang_ext/config/disk_tier_settings.py`, whose `disk_tier_extra_config` builds that config).
 Pages go to `sglang_hicache_ext.tiers.pages.page_store.PageStore` (crash-safe files, hard byte
 capacity, TTL expiry) with the group and TTL that our cache controller (`controller`) passes
 with every write (`write_info`).
@@ -38,6 +38,13 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from sglang_hicache_ext.radix.groups import RESIDUAL_GROUP
+from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import (
+    BACKEND_NAME,
+    CLASS_NAME,
+    MODULE_PATH,
+    DiskTierSettings,
+    disk_tier_extra_config,
+)
 from sglang_hicache_ext.sglang_ext.disk_tier.dir_claim import (
     SERVER_LOCK_NAME,
     hold_disk_dir,
@@ -55,14 +62,7 @@ from sglang_hicache_ext.sglang_ext.disk_tier.fault_guard import (
 from sglang_hicache_ext.sglang_ext.disk_tier.history import HISTORY_FILE_NAME, TtlHistoryFile
 from sglang_hicache_ext.sglang_ext.disk_tier.metrics_export import DiskTierMetricsExport
 from sglang_hicache_ext.sglang_ext.disk_tier.write_info import PageWriteInfo, passed_write_info
-from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import (
-    BACKEND_NAME,
-    CLASS_NAME,
-    MODULE_PATH,
-    DiskTierSettings,
-    disk_tier_extra_config,
-)
-from sglang_hicache_ext.sglang_ext.server.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.pages.page_store import PageStore
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl
 

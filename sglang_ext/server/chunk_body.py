@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, NamedTuple
 
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.server.request_limits import RequestRefused
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 from sglang_hicache_ext.tiers.chunks.stored_forms import stored_codec
 
 # A text longer than this many characters per allowed token cannot fit: the longest tokens of

@@ -35,6 +35,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     prefix_id,
     registering_chunk,
 )
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.server import placement_routes
 from sglang_hicache_ext.sglang_ext.server.chunk_body import parse_chunk_body
 from sglang_hicache_ext.sglang_ext.server.control_routes import (
@@ -52,7 +53,6 @@ from sglang_hicache_ext.sglang_ext.server.request_limits import (
     parse_json,
     read_bounded_body,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 # A capture lands when the scheduler checkpoints the request, just before the response goes out.
 _CAPTURE_POLL_S = 0.05

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.server import control_routes
 from sglang_hicache_ext.sglang_ext.server.placement_round import (
     PROFILE_CHUNKS_PER_ROUND,
@@ -34,7 +35,6 @@ from sglang_hicache_ext.sglang_ext.server.request_limits import (
     parse_json,
     read_bounded_body,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import ExtensionSettings
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import (
+from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import (
     BACKEND_NAME,
     CLASS_NAME,
     MODULE_PATH,
     DiskTierSettings,
     loads_disk_tier,
 )
-from sglang_hicache_ext.sglang_ext.server.settings import (
+from sglang_hicache_ext.sglang_ext.config.settings import (
     ExtensionSettings,
     SettingsError,
     load_settings,

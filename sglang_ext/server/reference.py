@@ -31,8 +31,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion import request_options
-from sglang_hicache_ext.sglang_ext.server import http_routes, prometheus_metrics, settings
-from sglang_hicache_ext.sglang_ext.server.validation_messages import bound_phrase
+from sglang_hicache_ext.sglang_ext.config import settings
+from sglang_hicache_ext.sglang_ext.config.validation_messages import bound_phrase
+from sglang_hicache_ext.sglang_ext.metrics import prometheus_metrics
+from sglang_hicache_ext.sglang_ext.server import http_routes
 
 MODULE = "sglang_hicache_ext.sglang_ext.server.reference"
 PAGE = Path("docs") / "reference.md"
@@ -244,7 +246,7 @@ def render() -> str:
         "`--hicache-storage-backend-extra-config` (a path, or the settings inline as an object; "
         "naming both is refused). Unknown keys and bad values stop the launch with one line "
         "naming the key and what is allowed. Model: `ExtensionSettings` "
-        "(`sglang_ext/server/settings.py`), in its field order.",
+        "(`sglang_ext/config/settings.py`), in its field order.",
         "",
         *_settings_tables(settings.ExtensionSettings),
         "",
@@ -272,7 +274,7 @@ def render() -> str:
         "## Metrics",
         "",
         "With SGLang's `--enable-metrics`, SGLang's `GET /metrics` also carries these series "
-        "(`sglang_ext/server/prometheus_metrics.py`), plus SGLang's `--extra-metric-labels`. "
+        "(`sglang_ext/metrics/prometheus_metrics.py`), plus SGLang's `--extra-metric-labels`. "
         "They are counted in the scheduler process, except the fused TTFT histogram, observed "
         "in the HTTP process beside SGLang's own TTFT. Gauges are per scheduler process "
         "(`tp_rank`), merged `mostrecent` as SGLang's are; what the disk tier's modules count "

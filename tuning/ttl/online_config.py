@@ -11,7 +11,7 @@ from sglang_hicache_ext.tiers.pages.ttl_policy import TtlTable
 if TYPE_CHECKING:
     from sglang_hicache_ext.tuning.ttl.planner import TtlPlanner
 
-# The disk tier's setting `ttl_policy` takes this type (sglang_ext/server/disk_tier_settings.py).
+# The disk tier's setting `ttl_policy` takes this type (sglang_ext/config/disk_tier_settings.py).
 OnlineTtlPolicy = Literal["group", "group-always", "fixed", "static"]
 POLICIES: tuple[str, ...] = get_args(OnlineTtlPolicy)
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-from sglang_hicache_ext.sglang_ext.server.setting_types import RATIO_CHOICES
+from sglang_hicache_ext.sglang_ext.config.setting_types import RATIO_CHOICES
 
 
 def one_line(err: ValidationError, model: type[BaseModel]) -> str:

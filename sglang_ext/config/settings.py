@@ -22,12 +22,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sglang_hicache_ext.sglang_ext.server.disk_tier_settings import (
+from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import (
     DiskTierSettings,
     loads_disk_tier,
 )
-from sglang_hicache_ext.sglang_ext.server.extra_config import SettingsError, read_extra_config
-from sglang_hicache_ext.sglang_ext.server.setting_types import (
+from sglang_hicache_ext.sglang_ext.config.extra_config import SettingsError, read_extra_config
+from sglang_hicache_ext.sglang_ext.config.setting_types import (
     ChunkCodecSpec,
     ContextTempering,
     DecodeCapacity,
@@ -38,7 +38,7 @@ from sglang_hicache_ext.sglang_ext.server.setting_types import (
     SinkTokens,
     TierOrder,
 )
-from sglang_hicache_ext.sglang_ext.server.validation_messages import one_line
+from sglang_hicache_ext.sglang_ext.config.validation_messages import one_line
 
 CONFIG_ENV_VAR = "SGLANG_HICACHE_EXT_CONFIG"
 EXTRA_CONFIG_KEY = "hicache_ext_config"

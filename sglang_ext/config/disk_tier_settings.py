@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from sglang_hicache_ext.sglang_ext.server.extra_config import SettingsError
-from sglang_hicache_ext.sglang_ext.server.validation_messages import one_line
+from sglang_hicache_ext.sglang_ext.config.extra_config import SettingsError
+from sglang_hicache_ext.sglang_ext.config.validation_messages import one_line
 from sglang_hicache_ext.tuning.ttl.online_config import OnlineTtlConfig, OnlineTtlPolicy
 
 BACKEND_NAME = "hicache_ext_disk"
