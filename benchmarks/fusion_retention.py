@@ -8,6 +8,9 @@ as benchmarks/fusion_quality.py). Per question, every method on the same prompt:
 - the greedy answer (stopped at <|im_end|>, at most 16 tokens): token F1 against the gold answer,
   and agreement with the full prefill's answer (equal after HotpotQA normalisation);
 - the teacher-forced KL to the full prefill along the full prefill's answer, and the first-token KL;
+- token agreement, the measure of the server's live shadow check: the method's own answer
+  teacher-forced through the full prefill, the share of its tokens that are the full prefill's
+  greedy choice there (evaluation/token_agreement.py), and whether the first token is;
 - the prefill's wall time, as a ratio to the full prefill's on the same prompt.
 
 Summary per method: F1 retention = mean F1 / mean F1 of the full prefill with a 95 % paired
@@ -59,6 +62,7 @@ from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_answer
 from sglang_hicache_ext.evaluation.fused_answers import (
     MethodRun,
+    greedy_along,
     kl_divergence,
     run_method,
     teacher_forced_kl,
@@ -66,6 +70,7 @@ from sglang_hicache_ext.evaluation.fused_answers import (
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
 from sglang_hicache_ext.evaluation.retention import summarise
+from sglang_hicache_ext.evaluation.token_agreement import token_agreement
 from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.request import Segment, build_layout
@@ -112,13 +117,24 @@ def padded(
 
 
 def measure(
-    full: MethodRun, run: MethodRun, tokenizer: Any, gold: str, full_text: str
+    adapter: HFCausalLMAdapter,
+    full: MethodRun,
+    run: MethodRun,
+    tokenizer: Any,
+    gold: str,
+    full_text: str,
 ) -> dict[str, Any]:
     text = tokenizer.decode(run.answer, skip_special_tokens=True).strip()
+    # The live shadow check's measure (evaluation/token_agreement.py): the method's own answer
+    # teacher-forced through the full prefill, its greedy choice compared at every token.
+    agreement = token_agreement(run.answer, greedy_along(adapter, full, run.answer))
     return {
         "answer": text,
         "f1": f1_score(text, gold),
         "agree": normalize_answer(text) == normalize_answer(full_text),
+        "token_agreement": agreement.token_agreement,
+        "first_token_agree": agreement.first_token,
+        "served_tokens": agreement.tokens,
         "kl": teacher_forced_kl(full, run),
         "first_kl": kl_divergence(full.first_logits, run.first_logits),
         "prefill_s": run.prefill_s,
@@ -227,7 +243,9 @@ def main() -> int:
             continue
         began = time.perf_counter()
         segments = question_segments(example, tokenizer, adapter)
-        full = run_method(adapter, segments, make_selector("full", 1.0), stop, ANSWER_TOKENS)
+        full = run_method(
+            adapter, segments, make_selector("full", 1.0), stop, ANSWER_TOKENS, keep_caches=True
+        )
         full_text = tokenizer.decode(full.answer, skip_special_tokens=True).strip()
         if row is not None and row["full"] != full_text:
             # Another CPU's bf16 kernels can flip a near-tie: every method of this question is
@@ -283,7 +301,9 @@ def main() -> int:
                 spec.tempering,
                 (companion or segments) if spec.noise == "batch" else None,
             )
-            row["methods"][method] = measure(full, run, tokenizer, example.answer, full_text)
+            row["methods"][method] = measure(
+                adapter, full, run, tokenizer, example.answer, full_text
+            )
         companion = segments
         partial = {"model": MODELS[args.model], "dtype": args.dtype, "rows": rows}
         out.write_text(json.dumps(partial, indent=1) + "\n")

@@ -16,9 +16,10 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
     """The summary as the markdown table the docs show."""
     print(
         "| method | questions | F1 | F1 retention [95 % CI] | answers kept [95 % CI] | gained "
-        "| agrees with full | teacher-forced KL | KL gap closed [95 % CI] | prefill time ÷ full |"
+        "| agrees with full | token agreement [95 % CI] | teacher-forced KL | KL gap closed [95 % CI] "
+        "| prefill time ÷ full |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for method, v in summary.items():
         ci = v.get("retention_ci95", [1.0, 1.0])
         retention = f"{v['retention']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
@@ -31,9 +32,13 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
         kept += "" if "kept" not in v else f"{v['kept_ci95'][1]:.2f}] of {v['answered_by_full']}"
         gained = str(v.get("gained", 0))
         time_ratio = f"{v.get('prefill_ratio', 1.0):.2f}"
+        tokens = "1.00" if "retention_ci95" not in v else ""
+        if "token_agreement" in v:
+            low, high = v["token_agreement_ci95"]
+            tokens = f"{v['token_agreement']:.2f} [{low:.2f}, {high:.2f}]"
         print(
             f"| `{method}` | {v['questions']} | {v['f1']:.3f} | {retention} | {kept} | {gained} "
-            f"| {v['agree']:.2f} "
+            f"| {v['agree']:.2f} | {tokens} "
             f"| {kl} | {gap} | {time_ratio} |"
         )
 

@@ -33,13 +33,16 @@ class MethodRun(NamedTuple):
 
     answer: greedy token ids (the stop token included when reached); first_logits: the prefill's
     next-token logits; forced_logits: logits predicting each token of the reference answer (the
-    method's own answer when no reference was given); prefill_s: wall time of the prefill.
+    method's own answer when no reference was given); prefill_s: wall time of the prefill;
+    caches: with `keep_caches`, the KV after the prompt and answer[:i] for every i (what
+    `greedy_along` decodes other answers from).
     """
 
     answer: tuple[int, ...]
     first_logits: torch.Tensor
     forced_logits: tuple[torch.Tensor, ...]
     prefill_s: float
+    caches: tuple[KVCache, ...] = ()
 
 
 def run_method(
@@ -52,11 +55,13 @@ def run_method(
     decode_capacity: float | None = None,
     context_tempering: tuple[float, float] = (1.0, 1.0),
     batch_with: Sequence[Segment] | None = None,
+    keep_caches: bool = False,
 ) -> MethodRun:
     """Fused prefill with `selector`, greedy answer, logits along `reference` (teacher forcing).
     decode_capacity: the decode keeps this fraction of the prompt's tokens (decode eviction);
     context_tempering: the question's (temperature, scale) over the chunks (APE); batch_with:
-    another prompt prefilled in the same batch (its result is dropped)."""
+    another prompt prefilled in the same batch (its result is dropped); keep_caches: keep the KV
+    after every answer token (the full prefill's, for `greedy_along`)."""
     began = time.perf_counter()
     window = 0 if decode_capacity is None else DEFAULT_WINDOW
     temperature, scale = context_tempering
@@ -79,7 +84,8 @@ def run_method(
         kv = evict(kv, kept_positions(prefill.window_scores, keep_whole_mask(segments), capacity))
     answer, logits, caches = _greedy(adapter, kv, prefill.logits, stop_ids, max_tokens)
     if reference is None:
-        return MethodRun(answer, prefill.logits, tuple(logits[: len(answer)]), prefill_s)
+        kept = tuple(caches) if keep_caches else ()
+        return MethodRun(answer, prefill.logits, tuple(logits[: len(answer)]), prefill_s, kept)
     # logits[i] predicts answer[i] after prompt + answer[:i]: along the reference as long as the
     # two answers agree on the tokens before i.
     forced = list(logits[: min(_common_prefix(answer, reference) + 1, len(reference))])
@@ -88,6 +94,24 @@ def run_method(
         step_logits, kv = decode_step(adapter, kv, int(reference[index - 1]))
         forced.append(step_logits)
     return MethodRun(answer, prefill.logits, tuple(forced), prefill_s)
+
+
+def greedy_along(adapter: ModelAdapter, full: MethodRun, served: Sequence[int]) -> list[int]:
+    """The full prefill's greedy choice before each token of `served` (teacher forcing: the
+    prompt, then served[:i]), decoded from the full run's caches (`keep_caches`). Where `served`
+    follows the full prefill's own answer, its choices are that answer's tokens; from the first
+    token that differs on, one decode step per served token."""
+    if not full.caches:
+        raise ValueError("the full run kept no caches (run_method(..., keep_caches=True))")
+    same = _common_prefix(served, full.answer)
+    choices = [int(token) for token in full.answer[: min(same + 1, len(served))]]
+    if len(choices) == len(served):
+        return choices
+    kv = full.caches[same]
+    for index in range(same + 1, len(served)):
+        step_logits, kv = decode_step(adapter, kv, int(served[index - 1]))
+        choices.append(int(step_logits.argmax()))
+    return choices
 
 
 def kl_divergence(reference: torch.Tensor, logits: torch.Tensor) -> float:

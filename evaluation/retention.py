@@ -5,7 +5,8 @@ each method's token F1, teacher-forced and first-token KL and prefill time besid
 prefill's. F1 retention = mean F1 / mean F1 of the full prefill with a 95 % paired bootstrap
 interval (scipy.stats.bootstrap, BCa; percentile where BCa degenerates); answers kept (of the
 questions the full prefill answers, F1 >= 0.5) and gained; agreement with the full prefill's
-answer; teacher-forced KL and the share of reuse's KL it closes, with its interval; median
+answer; token agreement (the live shadow check's measure) with its interval and first-token
+agreement; teacher-forced KL and the share of reuse's KL it closes, with its interval; median
 prefill-time ratio. The ratio tuner's quality floor is read from it
 (`tuning/ratio/quality_floor.py: ratio_curve`).
 """
@@ -78,8 +79,23 @@ def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[
             "kl_gap_closed": float(1 - kl.mean() / kl_reuse.mean()),
             "kl_gap_closed_ci95": _interval((kl, kl_reuse), lambda a, b: 1 - a.mean() / b.mean()),
             **_answers_kept(f1_full, f1),
+            **_token_agreement(runs),
         }
     return summary
+
+
+def _token_agreement(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The live shadow check's measure (evaluation/token_agreement.py), where the rows have it
+    (files written before it was measured do not)."""
+    if not runs or not all("token_agreement" in run for run in runs):
+        return {}
+    shares = np.array([run["token_agreement"] for run in runs])
+    firsts = np.array([float(run["first_token_agree"]) for run in runs])
+    return {
+        "token_agreement": float(shares.mean()),
+        "token_agreement_ci95": _interval((shares,), np.mean),
+        "first_token_agreement": float(firsts.mean()),
+    }
 
 
 def _answers_kept(f1_full: np.ndarray, f1: np.ndarray) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from sglang_hicache_ext.sglang_ext.config.settings import (
 )
 from sglang_hicache_ext.sglang_ext.cpu import compat as cpu_compat
 from sglang_hicache_ext.sglang_ext.cpu import position_attention as attention_backend
-from sglang_hicache_ext.sglang_ext.server import http_routes, preflight
+from sglang_hicache_ext.sglang_ext.server import http_routes, preflight, shadow_checks
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ def register() -> None:
         HookType.AROUND,
     )
     HookRegistry.register(
+        "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
+        fused_prefill.shadow_checks_last,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
         fused_prefill.forward_with_fusion,
         HookType.AROUND,
@@ -77,6 +82,16 @@ def register() -> None:
             "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
             fused_prefill.validate_request,
             HookType.BEFORE,
+        )
+        HookRegistry.register(
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
+            shadow_checks.track_request,
+            HookType.AROUND,
+        )
+        HookRegistry.register(
+            "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
+            shadow_checks.remember_prompt,
+            HookType.AROUND,
         )
         HookRegistry.register(
             "sglang.srt.managers.tokenizer_manager.TokenizerManager.collect_metrics",

@@ -19,6 +19,9 @@ from sglang_hicache_ext.fusion.rope import rope_spec_from_config
 from sglang_hicache_ext.radix.segments import break_token_ids
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
+from sglang_hicache_ext.sglang_ext.chunk_fusion.live_fidelity import (
+    RECORD_METHOD as FIDELITY_RECORD,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     registration_codec,
     registration_id,
@@ -29,6 +32,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     ChunkRegistry,
     chunk_namespace,
 )
+from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import shadow_of
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, load_settings
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
@@ -64,7 +68,12 @@ def cache_class() -> type:
 
             def match_prefix(self, params: Any) -> Any:
                 result = super().match_prefix(params)
-                if self.disk_tier is not None and params.req is not None:
+                # A shadow check's match is not a user's access: the TTL plan must not learn it.
+                if (
+                    self.disk_tier is not None
+                    and params.req is not None
+                    and shadow_of(params.req) is None
+                ):
                     self._record_access(params, result)
                 return result
 
@@ -282,6 +291,8 @@ def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:
 
     if str(recv_req.method).startswith(STORAGE_CONTROL_PREFIX):
         return _handle_storage_control(scheduler, recv_req)
+    if str(recv_req.method) == CONTROL_PREFIX + FIDELITY_RECORD:
+        return _handle_fidelity_record(scheduler, recv_req)
     chunks = getattr(scheduler.tree_cache, "chunks", None)
     try:
         if chunks is None:
@@ -313,6 +324,22 @@ def add_status_to_internal_state(result: Any, scheduler: Any, *args: Any, **kwar
 
 
 STORAGE_CONTROL_PREFIX = CONTROL_PREFIX + "storage."
+
+
+def _handle_fidelity_record(scheduler: Any, recv_req: Any) -> None:
+    """`hicache_ext.fidelity.record`: one shadow check's result for the live window and the
+    agreement target (`chunk_fusion/live_fidelity.py`)."""
+    from sglang.srt.managers.io_struct import DumperControlReqOutput
+
+    runtime = fused_prefill.runtime()
+    try:
+        if runtime is None:
+            raise RuntimeError("fusion is not in use on this server")
+        response = [runtime.fidelity.record(dict(recv_req.body))]
+        output = DumperControlReqOutput(success=True, response=response)
+    except (RuntimeError, ValueError) as err:
+        output = DumperControlReqOutput(success=False, response=[], error=str(err))
+    scheduler.ipc_channels.send_to_tokenizer.send_output(output, recv_req)
 
 
 def _handle_storage_control(scheduler: Any, recv_req: Any) -> None:

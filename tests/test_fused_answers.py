@@ -11,10 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sglang_hicache_ext.evaluation.fused_answers import (
+    greedy_along,
     kl_divergence,
     run_method,
     teacher_forced_kl,
 )
+from sglang_hicache_ext.evaluation.token_agreement import token_agreement
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment
@@ -87,3 +89,34 @@ def test_reuse_diverges_from_full(adapter: HFCausalLMAdapter) -> None:
     assert teacher_forced_kl(full, reuse) > 0
     assert kl_divergence(full.first_logits, reuse.first_logits) > 0
     assert kl_divergence(full.first_logits, full.first_logits) == pytest.approx(0, abs=1e-9)
+
+
+@pytest.mark.parametrize("differs_at", [None, 0, 2])
+def test_greedy_along_is_the_forwards_greedy_choice_after_each_served_token(
+    adapter: HFCausalLMAdapter, differs_at: int | None
+) -> None:
+    # The live shadow check's measure offline: whatever was served (the full answer, or one that
+    # departs from it at some token), the choices are the argmax of a plain forward of
+    # prompt + served, position by position.
+    segments, ids = _segments(adapter)
+    full = run_method(
+        adapter, segments, make_selector("full", 1.0), set(), TOKENS, keep_caches=True
+    )
+    served = list(full.answer)
+    if differs_at is not None:
+        served[differs_at] = (served[differs_at] + 7) % 1000
+    expected = [int(logits.argmax()) for logits in _forward_logits(adapter, ids, served)]
+    assert greedy_along(adapter, full, served) == expected
+    agreement = token_agreement(served, expected)
+    assert agreement.tokens == TOKENS
+    if differs_at is None:
+        assert agreement.token_agreement == 1.0 and agreement.first_token
+    else:
+        assert agreement.first_token == (differs_at != 0)
+        assert agreement.agreeing <= TOKENS - 1
+
+
+def test_token_agreement_refuses_a_choice_missing_for_a_served_token() -> None:
+    with pytest.raises(ValueError, match="one greedy choice per served token"):
+        token_agreement([1, 2, 3], [1, 2])
+    assert token_agreement([5, 6, 7, 8], [5, 0, 7, 1]).token_agreement == 0.5

@@ -163,7 +163,8 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
         "selector": plan.options.selector,
         "recompute_ratio": plan.recompute_ratio,
         # "auto" resolved from the ratio table ("tuned") or from this server's own
-        # measurements, never below the model's quality floor ("self_tuned"); else "fixed"
+        # measurements, never below the model's quality floor ("self_tuned"), or moved from
+        # either by the shadow checks toward the agreement target ("target"); else "fixed"
         "ratio_source": plan.ratio_source,
         "sink_tokens": plan.options.sink_tokens,
         "fresh_layers": plan.options.fresh_layers,
@@ -177,6 +178,11 @@ def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResul
         "tokens_reused": reused,
         "tokens_recomputed": result.num_tokens - prefix_len - reused,
     }
+    if plan.ratio_source == "target":
+        info["target_agreement"] = plan.target_agreement
+        info["ratio_start"] = plan.ratio_start
+        info["ratio_tier"] = plan.ratio_tier
+        info["tier_ratio"] = plan.tier_ratio
     if plan.probe_form is not None:
         # A placement probe: not counted as a read, a chunk hit or a fused TTFT.
         info["probe_form"] = plan.probe_form

@@ -48,6 +48,13 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY, parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import (
+    SHADOW_PARAM,
+    bar_from_tree,
+    check_shadow_params,
+    shadow_of,
+    users_first,
+)
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, load_settings
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import FusedTtftMetrics
 from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
@@ -108,14 +115,27 @@ def validate_request(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any
                     f"custom_params.{REGISTER_PARAM} is internal; register chunks with POST /chunks"
                 )
             check_probe_params(custom)
+            check_shadow_params(custom)
             parse_options(custom, settings)
 
 
 def remember_request(req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AFTER hook on Scheduler._create_generation_req: the forward hook finds requests by rid."""
+    """AFTER hook on Scheduler._create_generation_req: the forward hook finds requests by rid;
+    a shadow check's request is barred from the prefix tree."""
     if _runtime is not None:
         _runtime.requests[req.rid] = req
+    bar_from_tree(req)
     return req
+
+
+def shadow_checks_last(
+    result: Any, policy: Any, waiting_queue: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AFTER hook on SchedulePolicy.calc_priority: shadow checks wait behind every user request
+    whatever the policy's order."""
+    if isinstance(waiting_queue, list):
+        users_first(waiting_queue)
+    return result
 
 
 def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -130,7 +150,11 @@ def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **
     rt = _runtime
     if rt is None or not adder.can_run_list:
         return original(adder, req, *args, **kwargs)
-    if rt.will_fuse(req) != rt.will_fuse(adder.can_run_list[0]):
+    first = adder.can_run_list[0]
+    # A shadow check runs alone: batched with a user's request it would delay it.
+    if (shadow_of(req) is None) != (shadow_of(first) is None) or (
+        rt.will_fuse(req) != rt.will_fuse(first)
+    ):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.CONTINUE
@@ -182,8 +206,13 @@ _ttft_metrics: FusedTtftMetrics | None = None
 
 def observe_fused_ttft(original: Any, manager: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `TokenizerManager.collect_metrics` (runs only with `--enable-metrics`): when SGLang
-    observes a request's TTFT and every prefill round of it was fused, observe it for fusion too."""
+    observes a request's TTFT and every prefill round of it was fused, observe it for fusion too.
+    A shadow check's request is left out of SGLang's own series (TTFT, tokens, requests)."""
     global _ttft_metrics
+    custom = getattr(state.obj, "sampling_params", None)
+    custom = (custom.get("custom_params") if isinstance(custom, dict) else None) or {}
+    if isinstance(custom, dict) and SHADOW_PARAM in custom:
+        return None  # a shadow check is not a user's request: SGLang's series do not count it
     already_observed = state.ttft_observed
     result = original(manager, state, *args, **kwargs)
     if already_observed or not state.ttft_observed:

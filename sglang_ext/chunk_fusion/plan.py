@@ -28,6 +28,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
+from sglang_hicache_ext.sglang_ext.chunk_fusion.live_fidelity import LiveFidelity
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import probe_form_of
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import registration_id
@@ -68,6 +69,8 @@ class FusionRuntime:
         self._ratio_table: RatioTable | None = None
         # "auto" without a ratio table: ratios from this server's own prefills and loads.
         self.self_tuned = SelfTunedRatios.for_model(model_name)
+        # The shadow checks' results: the live window and, with a target, each tier's ratio.
+        self.fidelity = LiveFidelity(settings)
         # With the setting auto_chunks: fused prompts' own documents kept as chunks.
         self.auto_capture: AutoCapture | None = None
 
@@ -125,6 +128,7 @@ class FusionRuntime:
             **self.counters,
             "decode_steps_over_kept_rows": KEPT_ROWS.decode_steps,
             "auto_ratio": self.self_tuned.status(),
+            "shadow": self.fidelity.status(),
         }
 
 
@@ -145,7 +149,13 @@ class RequestPlan:
     pinned: list[str] = dataclasses.field(default_factory=list)  # chunk ids held for the round
     chunk_tiers: dict[str, int] = dataclasses.field(default_factory=dict)  # tier -> chunks
     tuned_ratio: float | None = None  # the ratio "auto" resolved to for these chunks' tiers
-    ratio_source: str = "fixed"  # "tuned" (the ratio table) or "self_tuned" (no table)
+    # "tuned" (the ratio table), "self_tuned" (no table) or "target" (moved from either by the
+    # shadow checks toward fusion_target_agreement: ratio_start says which)
+    ratio_source: str = "fixed"
+    ratio_start: str | None = None
+    ratio_tier: str | None = None  # with "target": the tier a check of this request moves
+    tier_ratio: float | None = None  # that tier's ratio
+    target_agreement: float | None = None
     tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     fetched: WholeFetches | None = None  # chunks read whole while pinning (shared tier)
     # How many chunks were computed after this prompt's own prefix, another, none (alone).
@@ -275,23 +285,46 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
     elif plan.options is not None and plan.options.recompute_ratio == AUTO_RATIO:
-        if not rt.settings.fusion_ratio_table:
-            plan.tuned_ratio = rt.self_tuned.ratio_for(plan.tokens_by_tier)
-            plan.ratio_source = "self_tuned"
-            return
-        plan.ratio_source = "tuned"
         try:
-            plan.tuned_ratio = rt.ratio_table().ratio_for(plan.tokens_by_tier)
+            _resolve_auto_ratio(rt, plan)
         except (KeyError, ValueError) as err:  # checked at launch; a table edited since
             logger.error("fusion: no tuned ratio for request %s: %s", plan.rid, err)
             plan.release(rt.registry)
             plan.fallback = "ratio_not_tuned"
-            return
     elif plan.prefix_len >= last_chunk_end(plan.segments):
         # Every chunk token is in the exact cached prefix: nothing is left to fuse, and the
         # normal prefill of the rest is exact and no slower.
         plan.release(rt.registry)
         plan.fallback = "prefix_cached"
+
+
+def _resolve_auto_ratio(rt: FusionRuntime, plan: RequestPlan) -> None:
+    """ "auto": each chunk tier's ratio from the ratio table ("tuned") or this server's own
+    measurements ("self_tuned"), the request's the token-weighted mean over its chunks' tiers;
+    with a token-agreement target ("target"), each tier's ratio as the shadow checks moved it
+    from there (never below it). KeyError / ValueError: the table cannot serve a tier."""
+    tokens = plan.tokens_by_tier
+    if rt.settings.fusion_ratio_table:
+        table = rt.ratio_table()
+        plan.tuned_ratio = table.ratio_for(tokens)
+        floors = {tier: table.tiers[tier].ratio for tier in tokens}
+        plan.ratio_source = "tuned"
+    else:
+        plan.tuned_ratio = rt.self_tuned.ratio_for(tokens)
+        floors = {tier: rt.self_tuned.tier_ratio(tier) for tier in tokens}
+        plan.ratio_source = "self_tuned"
+    if rt.fidelity.target is None or not tokens:
+        return
+    ratios = {tier: rt.fidelity.ratio(tier, floor) for tier, floor in floors.items()}
+    total = sum(tokens.values())
+    weighted = sum(ratios[tier] * n for tier, n in tokens.items()) / total if total > 0 else 0.0
+    plan.tuned_ratio = min(1.0, max(weighted, min(ratios.values())))
+    # A check of this request moves the ratio of the tier most of its chunk tokens came from.
+    plan.ratio_tier = max(tokens, key=lambda tier: tokens[tier])
+    plan.tier_ratio = ratios[plan.ratio_tier]
+    plan.ratio_start = plan.ratio_source
+    plan.ratio_source = "target"
+    plan.target_agreement = rt.fidelity.target.target
 
 
 def count_fallbacks(rt: FusionRuntime, plans: list[RequestPlan]) -> None:

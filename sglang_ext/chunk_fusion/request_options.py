@@ -34,6 +34,8 @@ TEMPERATURE_KEY = "fusion_context_temperature"
 SCALE_KEY = "fusion_context_scale"
 OVERLAP_KEY = "fusion_overlap_loads"
 DECODE_CAPACITY_KEY = "fusion_decode_capacity"
+# No server default of its own: unset, a fused request is checked at fusion_shadow_rate.
+SHADOW_KEY = "fusion_shadow"
 META_KEY = "hicache_ext_fusion"
 
 # Each option's custom_params key and the setting that is its server default.
@@ -48,7 +50,7 @@ SERVER_DEFAULTS: dict[str, str] = {
     OVERLAP_KEY: "fusion_overlap_loads",
     DECODE_CAPACITY_KEY: "fusion_decode_capacity",
 }
-OPTION_KEYS: tuple[str, ...] = tuple(SERVER_DEFAULTS)
+OPTION_KEYS: tuple[str, ...] = (*SERVER_DEFAULTS, SHADOW_KEY)
 
 
 class FusionOptions(BaseModel):
@@ -92,6 +94,13 @@ class FusionOptions(BaseModel):
         alias=DECODE_CAPACITY_KEY,
         description="Share of the prompt's tokens the decode attends, in (0, 1]; null: all.",
     )
+    shadow: bool | None = Field(
+        None,
+        alias=SHADOW_KEY,
+        description="true: check this fused request against the normal prefill after it is "
+        "answered (if it is fused and decoded greedily); false: never; null: at the setting "
+        "fusion_shadow_rate.",
+    )
 
 
 def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOptions:
@@ -106,6 +115,7 @@ def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOpti
     values = {
         key: params.get(key, getattr(defaults, name)) for key, name in SERVER_DEFAULTS.items()
     }
+    values[SHADOW_KEY] = params.get(SHADOW_KEY)
     try:
         options = FusionOptions.model_validate(values)
     except ValidationError as err:
@@ -126,6 +136,8 @@ def _refusal(error: ErrorDetails) -> str:
         return f'custom_params.{key} must be a number in [0, 1] or "auto", got {given}'
     if key == DECODE_CAPACITY_KEY:  # a number or null
         return f"custom_params.{key} {DECODE_CAPACITY_CHOICES} (or null), got {given}"
+    if key == SHADOW_KEY:  # true, false or null
+        return f"custom_params.{key} must be true or false (or null), got {given}"
     field = next(f for f in FusionOptions.model_fields.values() if f.alias == key)
     must_be = " ".join(filter(None, (_MUST_BE[field.annotation], bound_phrase(field))))
     return f"custom_params.{key} must be {must_be}, got {given}"

@@ -50,6 +50,8 @@ AUTO_RATIO = "auto"
 RatioOrAuto = RecomputeRatio | Literal["auto"]
 RATIO_CHOICES = 'must be in [0, 1] or "auto"'
 SinkTokens = Annotated[int, Field(ge=0)]
+# A share in [0, 1]: the shadow checks' rate, a token-agreement target.
+Share = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 FreshLayers = Annotated[int, Field(ge=0)]
 # APE's temperature and scale of the question's attention over the chunks (1: plain attention).
 ContextTempering = Annotated[float, Field(gt=0, le=4, allow_inf_nan=False)]

@@ -35,12 +35,16 @@ from sglang_hicache_ext.sglang_ext.config.setting_types import (
     HostPort,
     RatioOrAuto,
     SelectorName,
+    Share,
     SinkTokens,
     TierOrder,
 )
 from sglang_hicache_ext.sglang_ext.config.validation_messages import one_line
 
 CONFIG_ENV_VAR = "SGLANG_HICACHE_EXT_CONFIG"
+# The default quality target of "auto": chosen from the retention harness's ratio curve on
+# Qwen2.5-0.5B (docs/fusion-quality.md, "Fidelity in production").
+DEFAULT_TARGET_AGREEMENT = 0.9
 EXTRA_CONFIG_KEY = "hicache_ext_config"
 
 
@@ -155,11 +159,55 @@ class ExtensionSettings(BaseModel):
     fusion_selector: SelectorName = Field(
         "question_attention", description="Server default of custom_params.fusion_selector."
     )
+    # "auto" with a target: how much to recompute is a property of the model and the workload,
+    # measured live by the shadow checks, not a constant (docs/fusion-quality.md, "Fidelity in
+    # production").
     fusion_recompute_ratio: RatioOrAuto = Field(
-        0.15,
+        "auto",
         description='Server default of custom_params.fusion_recompute_ratio; "auto" uses the '
         "ratio tuned for the tier each chunk is loaded from: from fusion_ratio_table, else "
-        "self-tuned from the server's own prefills, never below the model's quality floor.",
+        "self-tuned from the server's own prefills, never below the model's quality floor; "
+        "with fusion_target_agreement, raised from there until the shadow checks meet it.",
+    )
+    fusion_target_agreement: Share | None = Field(
+        DEFAULT_TARGET_AGREEMENT,
+        description='With the ratio "auto": the share of served tokens that must be the normal '
+        "prefill's greedy choice, as the shadow checks measure it; each chunk tier's ratio is "
+        'raised while the checks agree less and lowered (never below what "auto" gives '
+        "without a target) while they agree more than target + 0.05. Null: no target.",
+    )
+    fusion_shadow_rate: Share = Field(
+        0.25,
+        description="Share of fused, greedily decoded requests checked after they are answered: "
+        "the prompt and the served tokens prefilled once more with fusion off, on spare "
+        "capacity only (custom_params.fusion_shadow forces or skips one). 0: no checks.",
+    )
+    fusion_shadow_tokens: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="How many of a checked request's first served tokens are compared with the "
+        "normal prefill's greedy choice.",
+    )
+    fusion_shadow_idle_s: float = Field(
+        0.5,
+        ge=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="A check starts only after the server has served no request for this long "
+        "(spare capacity); a request that arrives meanwhile goes first.",
+    )
+    fusion_shadow_queue: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="Most checks waiting for spare capacity; one more is dropped and counted.",
+    )
+    fusion_shadow_window: int = Field(
+        64,
+        ge=1,
+        le=100000,
+        description="How many of the latest checks /server_info's rolling window averages.",
     )
     fusion_ratio_table: str | None = Field(
         None,

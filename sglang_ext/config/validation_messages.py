@@ -7,7 +7,7 @@ with the numeric bounds read off the field itself so the words never drift from 
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import Annotated, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -65,12 +65,15 @@ def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
 def bound_phrase(field: FieldInfo) -> str:
     """A field's numeric bounds in words: "positive", ">= 0", "in [0, 1]" ("" when unbounded)."""
     symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-    # Field(gt=..., ...) becomes one annotated_types object per bound in `metadata`.
+    # Field(gt=..., ...) becomes one annotated_types object per bound in `metadata`; an optional
+    # constrained type (`Share | None`) keeps them on its Annotated member.
+    items = list(field.metadata)
+    for member in get_args(field.annotation):
+        if get_origin(member) is Annotated:
+            for extra in member.__metadata__:
+                items += getattr(extra, "metadata", [extra])
     bounds = {
-        name: getattr(item, name)
-        for item in field.metadata
-        for name in symbols
-        if hasattr(item, name)
+        name: getattr(item, name) for item in items for name in symbols if hasattr(item, name)
     }
     if "ge" in bounds and "le" in bounds:
         return f"in [{bounds['ge']}, {bounds['le']}]"

@@ -150,6 +150,12 @@ class ExtensionMetrics:
         self._auto_chunk_tokens = counter(
             "auto_chunk_tokens_captured_total", "Tokens of the pieces auto_chunks kept."
         )
+        self._target_ratio = gauge(
+            "fusion_target_ratio",
+            'Recompute ratio "auto" uses for chunks of a tier with a token-agreement target '
+            "(fusion_target_agreement), as the shadow checks move it.",
+            "tier",
+        )
         # Series that exist from the start (0), so that a rate over them is defined at once.
         for series in (self._chunk_hits, self._chunk_misses, self._chunk_read_bytes):
             series.labels(**self.labels, tier=CHUNK_STORE_TIER)
@@ -170,6 +176,9 @@ class ExtensionMetrics:
         self._recomputed.labels(**labels).inc(tokens_recomputed)
         self._prefill_seconds.labels(**labels).observe(prefill_s)
         self._ratio.labels(**labels).observe(recompute_ratio)
+
+    def target_ratio(self, tier: str, ratio: float) -> None:
+        self._target_ratio.labels(**self.labels, tier=tier).set(ratio)
 
     def fusion_fallback(self, reason: str) -> None:
         self._fallbacks.labels(**self.labels, reason=reason).inc()
@@ -243,6 +252,76 @@ class FusedTtftMetrics:
 
     def observe(self, selector: str, seconds: float) -> None:
         self._ttft.labels(**self.labels, selector=selector).observe(seconds)
+
+
+# Token agreement of one checked request: 16 served tokens move it in steps of 1/16.
+AGREEMENT_BUCKETS = (0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
+
+
+def ratio_bucket(ratio: float) -> str:
+    """A recompute ratio as a label of few values (a label per exact ratio would let a moving
+    target create a series per step): the upper bound of its RECOMPUTE_RATIO_BUCKETS bucket."""
+    return f"{next(b for b in RECOMPUTE_RATIO_BUCKETS if ratio <= b + 1e-9):g}"
+
+
+class ShadowCheckMetrics:
+    """The shadow checks of fused answers (`server/shadow_checks.py`), in SGLang's HTTP process
+    where they run: how many ran, were dropped or failed, and the agreement they measured by
+    selector and ratio bucket."""
+
+    def __init__(self, labels: Mapping[str, str], registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Histogram
+
+        self.labels = dict(labels)
+        where = {"registry": registry if registry is not None else REGISTRY}
+        by_kind = [*self.labels, "selector", "ratio_bucket"]
+        self._checks = Counter(
+            f"{PREFIX}fusion_shadow_checks_total",
+            "Fused requests checked against the normal prefill (the prompt and served tokens "
+            "prefilled with fusion off), by selector and recompute-ratio bucket.",
+            by_kind,
+            **where,
+        )
+        self._first_agree = Counter(
+            f"{PREFIX}fusion_shadow_first_token_agreements_total",
+            "Checked requests whose first served token is the normal prefill's greedy choice.",
+            by_kind,
+            **where,
+        )
+        self._agreement = Histogram(
+            f"{PREFIX}fusion_shadow_token_agreement",
+            "Per checked request: the share of its served tokens (the first "
+            "fusion_shadow_tokens) that are the normal prefill's greedy choice.",
+            by_kind,
+            buckets=AGREEMENT_BUCKETS,
+            **where,
+        )
+        self._dropped = Counter(
+            f"{PREFIX}fusion_shadow_dropped_total",
+            "Checks not run, by reason: queue_full (no spare capacity before fusion_shadow_queue "
+            "filled), preempted (a user request came during the check, three times).",
+            [*self.labels, "reason"],
+            **where,
+        )
+        self._failed = Counter(
+            f"{PREFIX}fusion_shadow_failed_total",
+            "Checks whose normal prefill failed (logged; the checked request was answered).",
+            [*self.labels],
+            **where,
+        )
+
+    def checked(self, selector: str, ratio: float, agreement: float, first_token: bool) -> None:
+        labels = {**self.labels, "selector": selector, "ratio_bucket": ratio_bucket(ratio)}
+        self._checks.labels(**labels).inc()
+        self._agreement.labels(**labels).observe(agreement)
+        if first_token:
+            self._first_agree.labels(**labels).inc()
+
+    def dropped(self, reason: str) -> None:
+        self._dropped.labels(**self.labels, reason=reason).inc()
+
+    def failed(self) -> None:
+        self._failed.labels(**self.labels).inc()
 
 
 class CountMirror:

@@ -53,6 +53,7 @@ from sglang_hicache_ext.sglang_ext.server.request_limits import (
     parse_json,
     read_bounded_body,
 )
+from sglang_hicache_ext.sglang_ext.server.shadow_checks import shadow_checks_status
 
 # A capture lands when the scheduler checkpoints the request, just before the response goes out.
 _CAPTURE_POLL_S = 0.05
@@ -306,6 +307,7 @@ def add_routes(app: Any, normal: Any, admin: Any) -> None:
     app.add_api_route("/hicache_ext/storage", normal(storage_status), methods=["GET"])
     app.add_api_route("/hicache_ext/storage/ttl", admin(storage_ttl), methods=["POST"])
     placement_routes.add_routes(app, normal, admin)
+    app.add_api_route("/hicache_ext/shadow_checks", normal(shadow_checks_status), methods=["GET"])
 
 
 def register_routes() -> None:

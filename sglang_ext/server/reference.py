@@ -203,6 +203,7 @@ def metric_series() -> list[Series]:
     owners = (
         prometheus_metrics.ExtensionMetrics({"model_name": "", "tp_rank": ""}, registry),
         prometheus_metrics.FusedTtftMetrics({"model_name": ""}, registry),
+        prometheus_metrics.ShadowCheckMetrics({"model_name": ""}, registry),
     )
     series = []
     for owner in owners:

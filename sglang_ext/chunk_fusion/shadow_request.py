@@ -1,0 +1,54 @@
+"""What a shadow check's request carries, who may send one, and how the scheduler treats it.
+
+A shadow check (`server/shadow_checks.py`) prefills a fused request's prompt and served tokens
+once more with fusion off, to compare the served tokens with the normal prefill's greedy choice.
+Its request carries the checked request's id under an internal `custom_params` key. In the
+scheduler it must not change what users see: it never enters the prefix tree (its rows are exact,
+but a user's later prompt must not find the cache changed by a check), is not recorded as an
+access of the disk tier's pages, is never batched with users' requests and waits behind every
+user request in the queue.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+SHADOW_PARAM = "hicache_ext_shadow_of"  # internal: the id of the request being checked
+
+# Set by the shadow checks around their own requests; a client sending SHADOW_PARAM is refused.
+running_shadow_check: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hicache_ext_running_shadow_check", default=False
+)
+
+
+def check_shadow_params(custom_params: Any) -> None:
+    """ValueError (HTTP 400) for the internal key sent by a client."""
+    if (
+        isinstance(custom_params, dict)
+        and SHADOW_PARAM in custom_params
+        and not running_shadow_check.get()
+    ):
+        raise ValueError(f"custom_params.{SHADOW_PARAM} is internal to the shadow checks")
+
+
+def shadow_of(req: Any) -> str | None:
+    """The id of the request a shadow check's request checks, else None."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+    value = params.get(SHADOW_PARAM)
+    return value if isinstance(value, str) else None
+
+
+def bar_from_tree(req: Any) -> None:
+    """A shadow check's rows never enter the prefix tree (SGLang's own flag for rows that must
+    not be shared; checked at every checkpoint and at release)."""
+    if shadow_of(req) is not None:
+        req.skip_radix_cache_insert = True
+
+
+def users_first(waiting_queue: list[Any]) -> None:
+    """Move shadow checks behind every user request, keeping each group's order."""
+    if any(shadow_of(req) is not None for req in waiting_queue):
+        users = [req for req in waiting_queue if shadow_of(req) is None]
+        checks = [req for req in waiting_queue if shadow_of(req) is not None]
+        waiting_queue[:] = users + checks
