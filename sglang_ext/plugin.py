@@ -12,13 +12,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from sglang_hicache_ext.sglang_ext import radix_cache
+from sglang_hicache_ext.sglang_ext import radix_cache, scheduler_control
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
-from sglang_hicache_ext.sglang_ext.config.settings import (
-    ExtensionSettings,
-    SettingsError,
-    load_settings,
-)
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, SettingsError
+from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 from sglang_hicache_ext.sglang_ext.cpu import compat as cpu_compat
 from sglang_hicache_ext.sglang_ext.cpu import position_attention as attention_backend
 from sglang_hicache_ext.sglang_ext.server import http_routes, preflight, shadow_checks
@@ -50,7 +47,7 @@ def register() -> None:
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.handle_dumper_control",
-        radix_cache.handle_control,
+        scheduler_control.handle_control,
         HookType.AROUND,
     )
     HookRegistry.register(

@@ -14,11 +14,10 @@ from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import (
     DiskTierSettings,
     disk_tier_extra_config,
 )
-from sglang_hicache_ext.sglang_ext.config.settings import (
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, SettingsError
+from sglang_hicache_ext.sglang_ext.config.settings_sources import (
     CONFIG_ENV_VAR,
     EXTRA_CONFIG_KEY,
-    ExtensionSettings,
-    SettingsError,
     load_settings,
 )
 from sglang_hicache_ext.tuning.ttl.online_config import OnlineTtlConfig

@@ -8,7 +8,11 @@ import pytest
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOptions, parse_options
-from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, SettingsError
+from sglang_hicache_ext.sglang_ext.config.settings import (
+    DEFAULT_TARGET_AGREEMENT,
+    ExtensionSettings,
+    SettingsError,
+)
 
 DEFAULTS = ExtensionSettings(
     fusion_by_default=False,
@@ -24,13 +28,18 @@ PLAIN = {"fresh_layers": 0, "context_temperature": 1.0, "context_scale": 1.0}
 
 def test_shipped_default_is_the_measured_closest_selector() -> None:
     # docs/fusion-quality.md: question_attention + 8 sink tokens closes the most teacher-forced
-    # KL; fresh layers and APE's tempering measured no better, so they are off by default.
+    # KL; fresh layers and APE's tempering measured no better, so they are off by default. The
+    # ratio is "auto" with a token-agreement target the shadow checks hold ("Fidelity in
+    # production"), checked on a quarter of the fused requests.
     shipped = parse_options({"fusion": True}, ExtensionSettings())
     assert (shipped.selector, shipped.sink_tokens, shipped.recompute_ratio) == (
         "question_attention",
         8,
-        0.15,
+        "auto",
     )
+    assert ExtensionSettings().fusion_target_agreement == DEFAULT_TARGET_AGREEMENT
+    assert ExtensionSettings().fusion_shadow_rate > 0
+    assert shipped.shadow is None  # checked at the rate, not forced
     assert (shipped.fresh_layers, shipped.context_temperature, shipped.context_scale) == (0, 1, 1)
 
 

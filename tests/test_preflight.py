@@ -16,12 +16,8 @@ from typing import Any
 
 import pytest
 
-from sglang_hicache_ext.sglang_ext.config.settings import (
-    CONFIG_ENV_VAR,
-    EXTRA_CONFIG_KEY,
-    ExtensionSettings,
-    SettingsError,
-)
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, SettingsError
+from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR, EXTRA_CONFIG_KEY
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     free_port,

@@ -19,7 +19,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import parse_options
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.radix_cache import _apply_ttl_request
+from sglang_hicache_ext.sglang_ext.scheduler_control import _apply_ttl_request
 from sglang_hicache_ext.sglang_ext.server.request_limits import (
     RateLimiter,
     RequestRefused,

@@ -19,7 +19,7 @@ import requests
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import REGISTER_PARAM
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import OPTION_KEYS
-from sglang_hicache_ext.sglang_ext.config.settings import EXTRA_CONFIG_KEY
+from sglang_hicache_ext.sglang_ext.config.settings_sources import EXTRA_CONFIG_KEY
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,

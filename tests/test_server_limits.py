@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.config.settings import EXTRA_CONFIG_KEY
+from sglang_hicache_ext.sglang_ext.config.settings_sources import EXTRA_CONFIG_KEY
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     free_port,

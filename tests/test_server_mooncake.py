@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.config.settings import CONFIG_ENV_VAR
+from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_servers
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
 from tests.test_preflight import _assert_clear_error, refused_launch

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hicache_ext.sglang_ext.config.settings import (
+from sglang_hicache_ext.sglang_ext.config.extra_config import read_extra_config
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, SettingsError
+from sglang_hicache_ext.sglang_ext.config.settings_sources import (
     CONFIG_ENV_VAR,
     EXTRA_CONFIG_KEY,
-    ExtensionSettings,
-    SettingsError,
     load_settings,
-    read_extra_config,
     read_settings_file,
 )
 

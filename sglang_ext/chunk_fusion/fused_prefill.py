@@ -55,7 +55,8 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import (
     shadow_of,
     users_first,
 )
-from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import FusedTtftMetrics
 from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 

@@ -299,10 +299,11 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
 
 
 def _resolve_auto_ratio(rt: FusionRuntime, plan: RequestPlan) -> None:
-    """ "auto": each chunk tier's ratio from the ratio table ("tuned") or this server's own
-    measurements ("self_tuned"), the request's the token-weighted mean over its chunks' tiers;
-    with a token-agreement target ("target"), each tier's ratio as the shadow checks moved it
-    from there (never below it). KeyError / ValueError: the table cannot serve a tier."""
+    """The ratio "auto" gives a request: each chunk tier's ratio from the ratio table ("tuned")
+    or this server's own measurements ("self_tuned"), the request's the token-weighted mean over
+    its chunks' tiers; with a token-agreement target ("target"), each tier's ratio as the shadow
+    checks moved it, never below that start. KeyError / ValueError: the table cannot serve a
+    tier."""
     tokens = plan.tokens_by_tier
     if rt.settings.fusion_ratio_table:
         table = rt.ratio_table()

@@ -54,7 +54,7 @@ def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
         return f"{given} {error['ctx']['error']}"
     if kind == "finite_number":
         return f"{given} must be a finite number"
-    bound = bound_phrase(field)
+    bound = bound_phrase(field) or _member_bounds(field)
     if bound:
         extra = field.json_schema_extra
         zero = extra.get("zero_means") if isinstance(extra, dict) else None
@@ -65,18 +65,26 @@ def _describe(error: ErrorDetails, model: type[BaseModel]) -> str:
 def bound_phrase(field: FieldInfo) -> str:
     """A field's numeric bounds in words: "positive", ">= 0", "in [0, 1]" ("" when unbounded)."""
     symbols = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-    # Field(gt=..., ...) becomes one annotated_types object per bound in `metadata`; an optional
-    # constrained type (`Share | None`) keeps them on its Annotated member.
-    items = list(field.metadata)
-    for member in get_args(field.annotation):
-        if get_origin(member) is Annotated:
-            for extra in member.__metadata__:
-                items += getattr(extra, "metadata", [extra])
+    # Field(gt=..., ...) becomes one annotated_types object per bound in `metadata`.
     bounds = {
-        name: getattr(item, name) for item in items for name in symbols if hasattr(item, name)
+        name: getattr(item, name)
+        for item in field.metadata
+        for name in symbols
+        if hasattr(item, name)
     }
     if "ge" in bounds and "le" in bounds:
         return f"in [{bounds['ge']}, {bounds['le']}]"
     if bounds.get("gt") == 0 and len(bounds) == 1:
         return "positive"
     return " and ".join(f"{symbols[name]} {value}" for name, value in bounds.items())
+
+
+def _member_bounds(field: FieldInfo) -> str:
+    """The bounds of an optional constrained type (`Share | None`), which pydantic keeps on the
+    union's Annotated member rather than on the field."""
+    for member in get_args(field.annotation):
+        if get_origin(member) is Annotated:
+            phrase = bound_phrase(FieldInfo.from_annotation(member))
+            if phrase:
+                return phrase
+    return ""

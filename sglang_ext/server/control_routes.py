@@ -15,7 +15,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import CONTROL_PREFIX
-from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, load_settings
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
+from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 from sglang_hicache_ext.sglang_ext.server.request_limits import RequestRefused
 
 

@@ -24,12 +24,9 @@ from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import (
     DiskTierSettings,
     loads_disk_tier,
 )
-from sglang_hicache_ext.sglang_ext.config.settings import (
-    ExtensionSettings,
-    SettingsError,
-    load_settings,
-    read_extra_config,
-)
+from sglang_hicache_ext.sglang_ext.config.extra_config import read_extra_config
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, SettingsError
+from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 
 _CONNECT_TIMEOUT_S = 3.0
 

@@ -31,7 +31,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion import request_options
-from sglang_hicache_ext.sglang_ext.config import settings
+from sglang_hicache_ext.sglang_ext.config import settings, settings_sources
 from sglang_hicache_ext.sglang_ext.config.validation_messages import bound_phrase
 from sglang_hicache_ext.sglang_ext.metrics import prometheus_metrics
 from sglang_hicache_ext.sglang_ext.server import http_routes
@@ -243,7 +243,7 @@ def render() -> str:
         "## Settings",
         "",
         "One JSON or TOML file, named by the environment variable "
-        f'`{settings.CONFIG_ENV_VAR}` or by the key `"{settings.EXTRA_CONFIG_KEY}"` of SGLang\'s '
+        f'`{settings_sources.CONFIG_ENV_VAR}` or by the key `"{settings_sources.EXTRA_CONFIG_KEY}"` of SGLang\'s '
         "`--hicache-storage-backend-extra-config` (a path, or the settings inline as an object; "
         "naming both is refused). Unknown keys and bad values stop the launch with one line "
         "naming the key and what is allowed. Model: `ExtensionSettings` "

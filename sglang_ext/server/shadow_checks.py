@@ -5,8 +5,8 @@ In SGLang's HTTP process. A sampled share of fused requests (`fusion_shadow_rate
 prompt and its first `fusion_shadow_tokens` served tokens are prefilled once more with fusion
 off, asking SGLang for the greedy (top-1) token at every served position (input logprobs), and
 the served tokens are compared with those choices (`evaluation/token_agreement.py`: the measure
-of the offline harness too). Only requests decoded greedily are checked: a sampled token differs
-from the greedy choice by design, whatever the KV.
+of the offline harness too). Only requests decoded greedily are checked: a sampled token may
+differ from the greedy choice by design, whatever the KV.
 
 A check never delays a user: it waits in a bounded queue (`fusion_shadow_queue`; one more is
 dropped and counted) until the server has served no user request for `fusion_shadow_idle_s`,
