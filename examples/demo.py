@@ -5,9 +5,11 @@ tier + file tier) and the `torch_position` CPU attention backend on SmolLM2-135M
 registers the HotpotQA paragraphs as chunks (each computed after the program's system prompt and
 chat header, as it is served), runs the `sgl.function` RAG program of examples/rag_pipeline.py
 with the paragraphs shuffled in the prompt, once with chunk fusion (the server's defaults,
-docs/fusion-quality.md) and once with SGLang's normal prefill, prints TTFT and answers side by
-side and whether the fused answer is the normal prefill's, and stops the server (no process is
-left behind).
+docs/fusion-quality.md: the ratio "auto" with a token-agreement target) and once with SGLang's
+normal prefill, prints TTFT and answers side by side, the ratio the server chose and whether the
+fused answer is the normal prefill's, then the server's own live check of those answers (every
+fused answer shadow-checked against the normal prefill: `fusion_shadow`) and its rolling
+window, and stops the server (no process is left behind).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import argparse
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
+
+import requests
 
 # `python examples/demo.py` (make demo) puts this folder first on sys.path.
 from rag_pipeline import ask, chat_prefix, connect
@@ -42,9 +48,10 @@ def main() -> int:
     parser.add_argument("--selector", default=defaults.fusion_selector)
     parser.add_argument(
         "--ratio",
-        type=float,
+        type=_ratio,
         default=defaults.fusion_recompute_ratio,
-        help="recompute ratio of chunk tokens",
+        help='recompute ratio of chunk tokens: a number in [0, 1] or "auto" (the default: the '
+        "ratio that meets the token-agreement target, docs/fusion-quality.md)",
     )
     args = parser.parse_args()
 
@@ -74,15 +81,21 @@ def main() -> int:
             )
             print(f"{'mode':<34}{'TTFT (s)':>9}{'prompt':>8}{'reused':>8}  question -> answer")
             same = 0
+            checked: list[str] = []
             for example, docs in zip(examples, documents, strict=True):
                 shuffled = random.Random(example.qid).sample(list(docs), len(docs))
                 flush_cache(config.url)
-                with backend.fusion(selector=args.selector, recompute_ratio=args.ratio):
+                # Every fused answer is checked by the server against the normal prefill.
+                with backend.fusion(
+                    selector=args.selector, recompute_ratio=args.ratio, shadow=True
+                ):
                     fused = ask(shuffled, example.question)
+                checked.append(fused.rid)
                 flush_cache(config.url)
                 normal = ask(shuffled, example.question)
+                ratio = f"{fused.recompute_ratio:.2f} ({fused.ratio_source})"
                 for label, result in (
-                    (f"fused {args.selector} r={args.ratio}", fused),
+                    (f"fused r={ratio}", fused),
                     ("normal prefill", normal),
                 ):
                     print(
@@ -97,11 +110,52 @@ def main() -> int:
                     f"fused answer {'=' if equal else '!='} normal answer   gold: {example.answer!r}"
                 )
             print(f"fused answers equal to the normal prefill's: {same} of {len(examples)}")
+            _print_live_checks(config.url, checked)
     except ServerStartError as err:
         print(f"demo failed: {err}", file=sys.stderr)
         return 1
     print(f"Server stopped. Log: {workdir / 'server.log'}")
     return 0
+
+
+def _ratio(value: str) -> float | str:
+    return value if value == "auto" else float(value)
+
+
+def _print_live_checks(url: str, rids: list[str], timeout_s: float = 120) -> None:
+    """The server's shadow checks of the fused answers (they run once the server is idle) and
+    its rolling window of checks."""
+    deadline = time.monotonic() + timeout_s
+    results: dict[str, Any] = {}
+    while time.monotonic() < deadline and len(results) < len(rids):
+        recent = requests.get(url + "/hicache_ext/shadow_checks", timeout=30).json()["recent"]
+        results = {r["rid"]: r for r in recent if r["rid"] in rids}
+        time.sleep(0.5)
+    print("live shadow checks (served tokens that are the normal prefill's greedy choice):")
+    for index, rid in enumerate(rids, 1):
+        result = results.get(rid)
+        if result is None:
+            print(f"  question {index}: not checked yet")
+            continue
+        print(
+            f"  question {index}: token agreement {result['token_agreement']:.2f}, first token "
+            f"{'agrees' if result['first_token_agree'] else 'differs'}, "
+            f"ratio {result['recompute_ratio']:.2f} ({result['ratio_source']})"
+        )
+    info = requests.get(url + "/server_info", timeout=30).json()
+    states = [s["hicache_ext"] for s in info["internal_states"] if "hicache_ext" in s]
+    window = states[0]["fusion"]["shadow"]
+    target = window.get("target") or {}
+    agreement = window["token_agreement"]
+    print(
+        f"rolling window: {window['samples']} checks, token agreement "
+        f"{'n/a' if agreement is None else f'{agreement:.2f}'}"
+        + (f", target {target['target']:.2f}" if target else "")
+        + "".join(
+            f", {tier} ratio now {state['ratio']:.2f}"
+            for tier, state in (target.get("tiers") or {}).items()
+        )
+    )
 
 
 if __name__ == "__main__":

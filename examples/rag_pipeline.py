@@ -47,6 +47,9 @@ class RagResult:
     prompt_tokens: int
     cached_tokens: int
     tokens_reused: int  # chunk KV reused by fusion (0 without fusion)
+    rid: str = ""  # the server's request id (a shadow check of the answer reports it)
+    recompute_ratio: float | None = None  # the ratio the fused prefill used (None: not fused)
+    ratio_source: str | None = None  # what chose it: fixed, tuned, self_tuned or target
 
 
 def connect(url: str) -> FusionEndpoint:
@@ -78,4 +81,7 @@ def ask(documents: Sequence[str], question: str, max_tokens: int = 24) -> RagRes
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
         tokens_reused=int(fusion.get("tokens_reused", 0)),
+        rid=str(meta.get("id", "")),
+        recompute_ratio=fusion.get("recompute_ratio") if fusion.get("fused") else None,
+        ratio_source=fusion.get("ratio_source") if fusion.get("fused") else None,
     )

@@ -60,7 +60,9 @@ class FusionRequest:
     `fusion_sink_tokens`, `fusion_fresh_layers`, `fusion_context_temperature`,
     `fusion_context_scale`, `fusion_overlap_loads`, `fusion_decode_capacity`), the one place
     where its default is written. `recompute_ratio="auto"`: the ratio tuned for the tier each chunk is
-    loaded from; `decode_capacity`: the share of the prompt's rows the decode attends.
+    loaded from; `decode_capacity`: the share of the prompt's rows the decode attends; `shadow`:
+    True checks each fused answer against the normal prefill after it is served (the server's
+    shadow checks), False never does, None leaves it to the setting `fusion_shadow_rate`.
     """
 
     selector: str | None = None
@@ -72,6 +74,7 @@ class FusionRequest:
     fresh_layers: int | None = None
     context_temperature: float | None = None
     context_scale: float | None = None
+    shadow: bool | None = None
 
     def custom_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"fusion": self.enabled}
@@ -84,6 +87,7 @@ class FusionRequest:
             "fusion_fresh_layers": self.fresh_layers,
             "fusion_context_temperature": self.context_temperature,
             "fusion_context_scale": self.context_scale,
+            "fusion_shadow": self.shadow,
         }
         params.update({key: value for key, value in optional.items() if value is not None})
         return params
@@ -108,11 +112,17 @@ class FusionEndpoint(sgl.RuntimeEndpoint):
         enabled: bool = True,
         sink_tokens: int | None = None,
         decode_capacity: float | None = None,
+        shadow: bool | None = None,
     ) -> Iterator[FusionRequest]:
         """Fusion options for the programs run inside the block."""
         previous = self.fusion_request
         self.fusion_request = FusionRequest(
-            selector, recompute_ratio, enabled, sink_tokens, decode_capacity=decode_capacity
+            selector,
+            recompute_ratio,
+            enabled,
+            sink_tokens,
+            decode_capacity=decode_capacity,
+            shadow=shadow,
         )
         try:
             yield self.fusion_request

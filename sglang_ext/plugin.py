@@ -61,6 +61,11 @@ def register() -> None:
         HookType.AROUND,
     )
     HookRegistry.register(
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+        fused_prefill.continue_shadow_check,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
         "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
         fused_prefill.shadow_checks_last,
         HookType.AFTER,

@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.prepare_models import SMOLLM2, TINY_LLAMA, TINY_QWEN2, prepare  # noqa: E402
 from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import disk_tier_extra_config  # noqa: E402
+from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR  # noqa: E402
 from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     free_port,
@@ -37,6 +38,8 @@ __all__ = ["E2E_DEVICE_TOKENS", "generate"]
 E2E_DEVICE_TOKENS = 4096
 # Prefill round of `chunked_prefill_server`: long prompts and chunk captures span several.
 CHUNKED_PREFILL_TOKENS = 128
+# Shadow checks `chunked_prefill_server` keeps waiting for spare capacity.
+SHADOW_QUEUE = 8
 
 SHARED_SERVERS = SharedServers()
 SERVER_FORKS = contextlib.ExitStack()
@@ -188,8 +191,19 @@ def chunked_prefill_server(
 ) -> Iterator[ServerConfig]:
     """SmolLM2 prefilling in rounds of `CHUNKED_PREFILL_TOKENS`, HiCache host tier: shared by
     tests/test_server_concurrency.py and the chunk capture across rounds of
-    tests/test_server_chunks.py."""
+    tests/test_server_chunks.py. Every fused answer is shadow-checked (`fusion_shadow_rate` 1)
+    into a queue of `SHADOW_QUEUE`: concurrent traffic fills it."""
     workdir = tmp_path_factory.mktemp("chunked_prefill")
+    settings = workdir / "settings.json"
+    settings.write_text(
+        json.dumps(
+            {
+                "fusion_shadow_rate": 1.0,
+                "fusion_shadow_queue": SHADOW_QUEUE,
+                "fusion_shadow_idle_s": 0.2,
+            }
+        )
+    )
     config = ServerConfig(
         model_path=str(smollm2_path),
         port=free_port(),
@@ -203,6 +217,7 @@ def chunked_prefill_server(
             "--hicache-ratio",
             "2",
         ),
+        env={CONFIG_ENV_VAR: str(settings)},
     )
     with SHARED_SERVERS.serve("chunked_prefill_server", config, workdir / "server.log") as running:
         yield running

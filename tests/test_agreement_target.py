@@ -79,9 +79,7 @@ def test_a_check_taken_at_another_ratio_is_not_counted() -> None:
     assert control.ratio("host", 0.2) == ratio
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"target": 1.5}, {"target": -0.1}, {"target": 0.5, "gain": 0}]
-)
+@pytest.mark.parametrize("kwargs", [{"target": 1.5}, {"target": -0.1}, {"target": 0.5, "gain": 0}])
 def test_refuses_bounds_outside_their_range(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         AgreementTarget(**kwargs)

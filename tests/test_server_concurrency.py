@@ -31,6 +31,7 @@ from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.fusion.selectors import SELECTORS
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
 from tests.conftest import CHUNKED_PREFILL_TOKENS as CHUNKED_PREFILL
+from tests.conftest import SHADOW_QUEUE
 
 pytestmark = pytest.mark.server
 
@@ -275,6 +276,13 @@ def test_concurrent_mixed_traffic_matches_one_by_one(
         assert not mismatches, f"round {round_}: outputs differ from one-by-one runs: {mismatches}"
         _server_alive(chunked_prefill_server)
         print(f"round {round_ + 1}/{ROUNDS}: {len(order)} concurrent requests, 0 mismatches")
+    # Every fused answer was to be shadow-checked; with no spare capacity while the traffic ran
+    # the queue filled, and what did not fit was dropped and counted, never held.
+    checks = requests.get(url + "/hicache_ext/shadow_checks", timeout=60).json()
+    counts = checks["counts"]
+    assert checks["pending"] <= SHADOW_QUEUE
+    assert counts["queued"] > SHADOW_QUEUE and counts["dropped_queue_full"] > 0
+    assert counts.get("failed", 0) == 0
 
 
 def test_reproduction_split_normal_requests_beside_fused(

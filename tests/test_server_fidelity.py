@@ -9,6 +9,7 @@ import pytest
 import requests
 
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.config.settings import DEFAULT_TARGET_AGREEMENT
 from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from sglang_hicache_ext.tuning.ratio.self_tuned import CONSERVATIVE_FLOOR
 
@@ -151,9 +152,14 @@ def test_auto_ratio_without_a_ratio_table_is_self_tuned_above_the_floor(
     prompt = f"{PREFIX}Documents:\n{document}\n\nQuestion: Where does it take place?"
     fused = _generate(url, prompt, fusion=True, fusion_recompute_ratio="auto")
     (meta,) = fused["meta_info"]["hicache_ext_fusion"]
-    assert meta["fused"] is True and meta["ratio_source"] == "self_tuned"
-    # SmolLM2 has no measured quality floor: the conservative one, from host memory.
+    # The default token-agreement target starts each tier at its self-tuned ratio; SmolLM2 has
+    # no measured quality floor: the conservative one, from host memory (too few checks on this
+    # server to have moved it).
+    assert meta["fused"] is True and meta["ratio_source"] == "target"
+    assert meta["ratio_start"] == "self_tuned" and meta["ratio_tier"] == "host"
+    assert meta["target_agreement"] == DEFAULT_TARGET_AGREEMENT
     assert meta["recompute_ratio"] == pytest.approx(CONSERVATIVE_FLOOR)
+    assert meta["tier_ratio"] == pytest.approx(CONSERVATIVE_FLOOR)
     status = requests.get(url + "/server_info", timeout=30).json()
     (state,) = [s["hicache_ext"] for s in status["internal_states"] if "hicache_ext" in s]
     auto = state["fusion"]["auto_ratio"]

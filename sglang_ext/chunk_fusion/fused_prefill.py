@@ -52,6 +52,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import (
     SHADOW_PARAM,
     bar_from_tree,
     check_shadow_params,
+    in_small_rounds,
     shadow_of,
     users_first,
 )
@@ -149,6 +150,12 @@ def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **
     request), so only fused requests join it.
     """
     rt = _runtime
+    if shadow_of(req) is not None:
+        if adder.can_run_list:  # a shadow check runs alone
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.CONTINUE
+        return in_small_rounds(adder, lambda: original(adder, req, *args, **kwargs))
     if rt is None or not adder.can_run_list:
         return original(adder, req, *args, **kwargs)
     first = adder.can_run_list[0]
@@ -160,6 +167,13 @@ def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **
 
         return AddReqResult.CONTINUE
     return original(adder, req, *args, **kwargs)
+
+
+def continue_shadow_check(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook on PrefillAdder.add_chunked_req: a shadow check's later rounds stay small too."""
+    if shadow_of(req) is None:
+        return original(adder, req, *args, **kwargs)
+    return in_small_rounds(adder, lambda: original(adder, req, *args, **kwargs))
 
 
 def forward_with_fusion(

@@ -6,15 +6,23 @@ Its request carries the checked request's id under an internal `custom_params` k
 scheduler it must not change what users see: it never enters the prefix tree (its rows are exact,
 but a user's later prompt must not find the cache changed by a check), is not recorded as an
 access of the disk tier's pages, is never batched with users' requests and waits behind every
-user request in the queue.
+user request in the queue, and is prefilled in small rounds so that a user request arriving
+while it runs waits for one round at most.
 """
 
 from __future__ import annotations
 
 import contextvars
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 SHADOW_PARAM = "hicache_ext_shadow_of"  # internal: the id of the request being checked
+# A check's prompt is prefilled in rounds of at most this many tokens, whatever the server's
+# --chunked-prefill-size: a user request that arrives meanwhile waits for one such round (the
+# HTTP process aborts the check, `server/shadow_checks.py`), not for a whole prompt.
+ROUND_TOKENS = 512
 
 # Set by the shadow checks around their own requests; a client sending SHADOW_PARAM is refused.
 running_shadow_check: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -52,3 +60,16 @@ def users_first(waiting_queue: list[Any]) -> None:
         users = [req for req in waiting_queue if shadow_of(req) is None]
         checks = [req for req in waiting_queue if shadow_of(req) is not None]
         waiting_queue[:] = users + checks
+
+
+def in_small_rounds(adder: Any, add: Callable[[], T]) -> T:
+    """Admit a shadow check's next round (`add`) with at most ROUND_TOKENS of SGLang's
+    chunked-prefill budget; the rest of the budget is the batch's as before."""
+    budget = adder.rem_chunk_tokens
+    if budget is None or budget <= ROUND_TOKENS:  # chunked prefill off, or rounds small already
+        return add()
+    adder.rem_chunk_tokens = ROUND_TOKENS
+    try:
+        return add()
+    finally:
+        adder.rem_chunk_tokens = budget - (ROUND_TOKENS - adder.rem_chunk_tokens)

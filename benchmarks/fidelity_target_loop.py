@@ -1,0 +1,261 @@
+"""The closed loop through the real server: "auto" with a token-agreement target, starting from a
+low ratio, settles where its shadow checks meet the target; then the TTFT at the settled ratio.
+
+Qwen2.5-Coder-0.5B (fp32, CPU) behind the plugin. The server starts from a ratio table whose host
+tier holds r = 0.15 (`--start`, also the tier's floor), `fusion_recompute_ratio: "auto"`,
+`fusion_target_agreement` = each `--targets` value in turn (one fresh server per target) and
+every fused request checked (`fusion_shadow_rate: 1`). Requests: HotpotQA distractor questions
+outside the 200 evaluation questions (seed 2026) and the dev questions (seed 7), each prompt's
+paragraphs registered after the chat prefix before it is asked (the harness's prompt), greedy
+answers of at most 16 tokens, one at a time, each check run before the next request (the check
+waits for the server to be idle). Per request: the ratio it was fused at and its check's token
+agreement. Settled: the ratio after `--settle` requests; held: the mean token agreement of the
+requests after it. Then on the same server, with the ratio fixed at the settled value, fused vs
+normal TTFT on `--ttft-prompts` prompts of >= `--min-tokens` tokens (padded with paragraphs of
+other questions, all registered), medians.
+
+    python -m benchmarks.fidelity_target_loop --targets 0.85,0.95 --requests 150
+-> benchmarks/results/fidelity_target_loop_qwen.json, .png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import requests
+from tqdm import tqdm
+
+from benchmarks.fidelity_live import ask, wait_for_check
+from benchmarks.fusion_quality import chat_prefix, chatml_prompt
+from benchmarks.smollm2_server import RESULTS
+from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
+from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, prepared_model
+from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
+
+LOOP_SEED = 101
+EVALUATION = (200, 2026)  # the retention harness's questions
+DEV = (12, 7)  # the questions methods were chosen on
+
+
+def loop_questions(count: int) -> list[HotpotQAExample]:
+    """`count` questions that are neither evaluation nor dev questions."""
+    excluded = {e.qid for n, seed in (EVALUATION, DEV) for e in load_hotpotqa(n, seed=seed)}
+    pool = [
+        e for e in load_hotpotqa(count + len(excluded), seed=LOOP_SEED) if e.qid not in excluded
+    ]
+    if len(pool) < count:
+        raise SystemExit(f"only {len(pool)} questions outside the evaluation and dev sets")
+    return pool[:count]
+
+
+def register(url: str, tokenizer: Any, paragraphs: list[str]) -> None:
+    prefix = tokenizer.encode(chat_prefix(), add_special_tokens=False)
+    for paragraph in paragraphs:
+        tokens = tokenizer.encode(paragraph, add_special_tokens=False)
+        response = requests.post(
+            url + "/chunks", json={"input_ids": tokens, "prefix": prefix}, timeout=600
+        )
+        response.raise_for_status()
+
+
+def run_loop(
+    url: str, tokenizer: Any, examples: list[HotpotQAExample], stop: list[int]
+) -> list[dict[str, Any]]:
+    steps = []
+    for example in tqdm(examples, desc="requests", disable=None):
+        register(url, tokenizer, list(example.documents))
+        shuffled = random.Random(example.qid).sample(
+            list(example.documents), len(example.documents)
+        )
+        ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
+        fused = ask(url, ids, {"fusion": True}, stop)
+        info = (fused["meta"].get("hicache_ext_fusion") or [{}])[-1]
+        check = wait_for_check(url, str(fused["meta"]["id"]))
+        steps.append(
+            {
+                "qid": example.qid,
+                "recompute_ratio": info.get("recompute_ratio"),
+                "ratio_source": info.get("ratio_source"),
+                "token_agreement": None if check is None else check["token_agreement"],
+                "first_token_agree": None if check is None else check["first_token_agree"],
+            }
+        )
+    return steps
+
+
+def padded_prompt(
+    example: HotpotQAExample, others: list[HotpotQAExample], tokenizer: Any, min_tokens: int
+) -> tuple[list[str], list[int]]:
+    """The example's paragraphs and others' until the prompt has `min_tokens` tokens."""
+    documents = list(example.documents)
+    extra = [d for other in others if other.qid != example.qid for d in other.documents]
+    random.Random(example.qid).shuffle(extra)
+    while True:
+        shuffled = random.Random(example.qid).sample(documents, len(documents))
+        ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
+        if len(ids) >= min_tokens or not extra:
+            return documents, ids
+        documents.append(extra.pop())
+
+
+def ttft_at(
+    url: str,
+    tokenizer: Any,
+    examples: list[HotpotQAExample],
+    ratio: float,
+    min_tokens: int,
+    stop: list[int],
+) -> dict[str, Any]:
+    """Fused at `ratio` vs normal TTFT, prompt by prompt on the same server."""
+    pairs = []
+    for example in examples:
+        documents, ids = padded_prompt(example, examples, tokenizer, min_tokens)
+        register(url, tokenizer, documents)
+        normal = ask(url, ids, {"fusion": False}, stop)
+        fused = ask(
+            url,
+            ids,
+            {"fusion": True, "fusion_recompute_ratio": ratio, "fusion_shadow": False},
+            stop,
+        )
+        pairs.append((len(ids), normal["ttft_s"], fused["ttft_s"]))
+    return {
+        "ratio": ratio,
+        "prompt_tokens": [n for n, _, _ in pairs],
+        "normal_ttft_s": statistics.median(t for _, t, _ in pairs),
+        "fused_ttft_s": statistics.median(t for _, _, t in pairs),
+        "ttft_ratio_median": statistics.median(f / n for _, n, f in pairs),
+    }
+
+
+def summarise(steps: list[dict[str, Any]], target: float, settle: int) -> dict[str, Any]:
+    settled = steps[settle - 1]["recompute_ratio"] if len(steps) >= settle else None
+    after = [s["token_agreement"] for s in steps[settle:] if s["token_agreement"] is not None]
+    ratios_after = sorted({s["recompute_ratio"] for s in steps[settle:]})
+    first_at = next((i + 1 for i, s in enumerate(steps) if s["recompute_ratio"] == settled), None)
+    return {
+        "target": target,
+        "start_ratio": steps[0]["recompute_ratio"] if steps else None,
+        "settled_ratio": settled,
+        "settled_from_request": first_at,
+        "ratios_after_settle": ratios_after,
+        "agreement_after_settle": statistics.fmean(after) if after else None,
+        "within_0_05": bool(after) and abs(statistics.fmean(after) - target) <= 0.05,
+        "checked": sum(s["token_agreement"] is not None for s in steps),
+    }
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, dpi=110)
+    for run, color in zip(report["runs"], ("tab:blue", "tab:orange", "tab:green"), strict=False):
+        steps = run["steps"]
+        xs = range(1, len(steps) + 1)
+        target = run["summary"]["target"]
+        top.step(xs, [s["recompute_ratio"] for s in steps], where="post", color=color,
+                 label=f"target {target}")  # fmt: skip
+        values = [s["token_agreement"] for s in steps]
+        rolling = [
+            statistics.fmean(v for v in values[max(0, i - 15) : i + 1] if v is not None)
+            for i in range(len(values))
+        ]
+        bottom.plot(xs, rolling, color=color, label=f"target {target}: last 16 checks")
+        bottom.axhline(target, color=color, linestyle=":", linewidth=1)
+    top.set_ylabel("recompute ratio (host tier)")
+    top.legend(fontsize=8)
+    top.grid(alpha=0.3)
+    bottom.set_ylabel("token agreement")
+    bottom.set_xlabel("request")
+    bottom.legend(fontsize=8)
+    bottom.grid(alpha=0.3)
+    figure.suptitle(
+        f'{report["model"]}: "auto" with a token-agreement target, from r = {report["start"]}',
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="0.85,0.95")
+    parser.add_argument("--requests", type=int, default=150)
+    parser.add_argument("--settle", type=int, default=100)
+    parser.add_argument("--start", type=float, default=0.15)
+    parser.add_argument("--ttft-prompts", type=int, default=5)
+    parser.add_argument("--min-tokens", type=int, default=3000)
+    parser.add_argument("--out", type=Path, default=RESULTS / "fidelity_target_loop_qwen.json")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    model = prepared_model(QWEN_CODER)
+    if model is None:
+        raise SystemExit(f"{QWEN_CODER} is not prepared: run `make models-qwen`")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    stop = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
+    examples = loop_questions(args.requests + args.ttft_prompts)
+    report: dict[str, Any] = {
+        "model": QWEN_CODER,
+        "command": " ".join(sys.argv),
+        "start": args.start,
+        "runs": [],
+    }
+    for target in (float(t) for t in args.targets.split(",")):
+        workdir = Path(tempfile.mkdtemp(prefix="fidelity-loop-"))
+        table = workdir / "ratios.json"
+        start = TunedRatio(args.start, args.start, args.start, 1.0, "closed-loop start")
+        RatioTable(str(model), {"host": start}).save(table)
+        settings = workdir / "settings.json"
+        settings.write_text(
+            json.dumps(
+                {
+                    "fusion_recompute_ratio": "auto",
+                    "fusion_ratio_table": str(table),
+                    "fusion_target_agreement": target,
+                    "fusion_shadow_rate": 1.0,
+                    "fusion_shadow_idle_s": 0.1,
+                }
+            )
+        )
+        config = ServerConfig(
+            model_path=str(model),
+            port=free_port(),
+            max_total_tokens=32768,
+            env={CONFIG_ENV_VAR: str(settings)},
+        )
+        with running_server(config, log_path=workdir / "server.log"):
+            steps = run_loop(config.url, tokenizer, examples[: args.requests], stop)
+            summary = summarise(steps, target, args.settle)
+            ttft = None
+            if summary["settled_ratio"] is not None and args.ttft_prompts:
+                ttft = ttft_at(
+                    config.url,
+                    tokenizer,
+                    examples[args.requests :],
+                    summary["settled_ratio"],
+                    args.min_tokens,
+                    stop,
+                )
+        report["runs"].append({"summary": summary, "ttft_at_settled": ttft, "steps": steps})
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps({"summary": summary, "ttft_at_settled": ttft}, indent=1), flush=True)
+    plot(report, args.out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
