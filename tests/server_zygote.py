@@ -20,6 +20,7 @@ The plain `python -m sglang.launch_server` path stays tested: `tests/test_launch
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import runpy
@@ -33,6 +34,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
+from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR, EXTRA_CONFIG_KEY
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
 
 # What `python -m sglang.launch_server` and SGLang's children import before serving.
@@ -43,6 +45,38 @@ PRELOAD = (
     "sglang.srt.models.registry",
     "sglang_hicache_ext.sglang_ext.plugin",
 )
+
+
+# A shadow check is one more normal prefill of a fused prompt, run whenever the server has been
+# idle for half a second: on 2 cores, a test server that checks a quarter of the fused answers
+# (the shipped default) doubles some tests' time. Forked test servers check none unless their
+# test asks: a settings file that names `fusion_shadow_rate`, or `custom_params.fusion_shadow`
+# per request (tests/test_server_shadow_checks.py, tests/test_server_concurrency.py).
+QUIET_SHADOW = {"fusion_shadow_rate": 0.0}
+
+
+def without_shadow_checks(
+    env: dict[str, str], command: Sequence[str], folder: Path
+) -> dict[str, str]:
+    """`env` with the server's settings set to check no answer, unless they say otherwise.
+    Settings given inline in the extra-config, or a file that does not parse, stay as given."""
+    named = env.get(CONFIG_ENV_VAR)
+    if named is None:
+        if any(EXTRA_CONFIG_KEY in arg for arg in command):
+            return env
+        quiet = folder / "quiet-shadow-checks.json"
+        quiet.write_text(json.dumps(QUIET_SHADOW))
+        return {**env, CONFIG_ENV_VAR: str(quiet)}
+    path = Path(named)
+    try:
+        values = json.loads(path.read_text()) if path.suffix == ".json" else None
+    except (OSError, ValueError):
+        return env  # the server's own check refuses it, as it would without this
+    if not isinstance(values, dict) or "fusion_shadow_rate" in values:
+        return env
+    quiet = path.with_name(f"{path.stem}.quiet-shadow-checks.json")
+    quiet.write_text(json.dumps({**values, **QUIET_SHADOW}))
+    return {**env, CONFIG_ENV_VAR: str(quiet)}
 
 
 class ForkedServer:
@@ -92,7 +126,8 @@ class Zygote:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         command = config.command()
         assert command[1:3] == ["-m", "sglang.launch_server"], command
-        pid = self._ask(("start", command[3:], config.environment(), str(log_path)))
+        env = without_shadow_checks(config.environment(), command, log_path.parent)
+        pid = self._ask(("start", command[3:], env, str(log_path)))
         return ForkedServer(self, pid)
 
     def returncode(self, pid: int) -> int | None:

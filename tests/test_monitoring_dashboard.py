@@ -1,5 +1,6 @@
 """The Grafana dashboard of `examples/monitoring/` queries only series that exist: ours (an
-`ExtensionMetrics` and the fused TTFT histogram on a private registry) and SGLang's own (the
+`ExtensionMetrics`, the fused TTFT histogram and the shadow checks' series on a private
+registry) and SGLang's own (the
 names its metrics collector registers, read from the installed SGLang)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import (
     ExtensionMetrics,
     FusedTtftMetrics,
+    ShadowCheckMetrics,
 )
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "examples/monitoring/grafana_hicache_ext.json"
@@ -31,6 +33,7 @@ def _ours() -> set[str]:
     registry = CollectorRegistry()
     ExtensionMetrics(LABELS, registry=registry)
     FusedTtftMetrics({"model_name": "m"}, registry=registry)
+    ShadowCheckMetrics({"model_name": "m"}, registry=registry)
     names = set()
     for family in registry.collect():
         names.add(family.name)

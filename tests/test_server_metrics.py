@@ -110,9 +110,10 @@ def test_fusion_series_count_a_fused_request_and_a_fallback(hicache_server) -> N
         before, after, "fused_prefill_seconds_sum", **a3
     )
     # SGLang's own labels on every series of ours: the scheduler's (model, tp_rank) on the
-    # scheduler's series, the tokenizer's (model) on the TTFT histogram.
-    ttft = PREFIX + "fused_time_to_first_token_seconds"
-    ranks = {dict(key[1]).get("tp_rank") for key in after if not key[0].startswith(ttft)}
+    # scheduler's series, the tokenizer's (model) on those of the HTTP process (the TTFT
+    # histogram, the shadow checks).
+    http_process = (PREFIX + "fused_time_to_first_token_seconds", PREFIX + "fusion_shadow_")
+    ranks = {dict(key[1]).get("tp_rank") for key in after if not key[0].startswith(http_process)}
     assert ranks == {"0"}, ranks
     assert all(dict(key[1]).get("model_name") for key in after)
     print_series("fusion series after the test:", after)

@@ -284,6 +284,11 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     plan.chunk_prefixes = prefix_agreement(rt.registry, plan.pinned, tokens)
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
+    elif plan.prefix_len >= last_chunk_end(plan.segments):
+        # Every chunk token is in the exact cached prefix: nothing is left to fuse, and the
+        # normal prefill of the rest is exact and no slower.
+        plan.release(rt.registry)
+        plan.fallback = "prefix_cached"
     elif plan.options is not None and plan.options.recompute_ratio == AUTO_RATIO:
         try:
             _resolve_auto_ratio(rt, plan)
@@ -291,11 +296,6 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
             logger.error("fusion: no tuned ratio for request %s: %s", plan.rid, err)
             plan.release(rt.registry)
             plan.fallback = "ratio_not_tuned"
-    elif plan.prefix_len >= last_chunk_end(plan.segments):
-        # Every chunk token is in the exact cached prefix: nothing is left to fuse, and the
-        # normal prefill of the rest is exact and no slower.
-        plan.release(rt.registry)
-        plan.fallback = "prefix_cached"
 
 
 def _resolve_auto_ratio(rt: FusionRuntime, plan: RequestPlan) -> None:
