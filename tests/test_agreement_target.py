@@ -10,6 +10,11 @@ import statistics
 import pytest
 
 from sglang_hicache_ext.tuning.ratio.agreement_target import MIN_SAMPLES, AgreementTarget
+from sglang_hicache_ext.tuning.ratio.self_tuned import (
+    CHECKED_FLOOR,
+    CONSERVATIVE_FLOOR,
+    SelfTunedRatios,
+)
 
 
 def _workload(ratio: float, draw: random.Random) -> float:
@@ -85,3 +90,13 @@ def test_refuses_bounds_outside_their_range(kwargs: dict[str, float]) -> None:
         AgreementTarget(**kwargs)
     with pytest.raises(ValueError, match="token agreement"):
         AgreementTarget(0.5).record("host", 0.1, 1.5)
+
+
+def test_a_model_without_a_measured_floor_starts_lower_when_checks_guard_it() -> None:
+    # No measured floor: the conservative 0.3, or the papers' 0.15 when a target's live checks
+    # raise the ratio where answers need it; a measured floor is kept either way.
+    assert SelfTunedRatios.for_model("SmolLM2-135M-Instruct").floor == CONSERVATIVE_FLOOR
+    assert SelfTunedRatios.for_model("SmolLM2-135M-Instruct", checked=True).floor == CHECKED_FLOOR
+    measured = SelfTunedRatios.for_model("Qwen2.5-Coder-0.5B-Instruct", checked=True)
+    assert measured.floor == SelfTunedRatios.for_model("Qwen2.5-Coder-0.5B-Instruct").floor
+    assert measured.floor not in (CONSERVATIVE_FLOOR, CHECKED_FLOOR)

@@ -26,7 +26,7 @@ def _queried() -> set[str]:
     panels = json.loads(DASHBOARD.read_text())["panels"]
     exprs = [target["expr"] for panel in panels for target in panel["targets"]]
     names = {name for expr in exprs for name in re.findall(r"sglang:[a-z_]+", expr)}
-    return {re.sub(r"_bucket$", "", name) for name in names}
+    return {re.sub(r"_(bucket|count|sum)$", "", name) for name in names}
 
 
 def _ours() -> set[str]:

@@ -68,7 +68,9 @@ class FusionRuntime:
         self._adapter_error: str | None = None
         self._ratio_table: RatioTable | None = None
         # "auto" without a ratio table: ratios from this server's own prefills and loads.
-        self.self_tuned = SelfTunedRatios.for_model(model_name)
+        self.self_tuned = SelfTunedRatios.for_model(
+            model_name, checked=settings.fusion_target_agreement is not None
+        )
         # The shadow checks' results: the live window and, with a target, each tier's ratio.
         self.fidelity = LiveFidelity(settings)
         # With the setting auto_chunks: fused prompts' own documents kept as chunks.

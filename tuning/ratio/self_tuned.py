@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 # A model whose quality floor was never measured: the ratio the fusion-quality measurements
 # needed on the models measured so far (docs/fusion-quality.md), rather than the papers' 0.15.
 CONSERVATIVE_FLOOR = 0.3
+# The same model when the server checks its fused answers live against a token-agreement target
+# (`agreement_target.py`): the checks stand in for the missing measurement and raise the ratio
+# where answers need it, so it starts where the papers do (CacheTune's r_min).
+CHECKED_FLOOR = 0.15
 HOST_TIER = "host"
 _LOG_EVERY_S = 60.0
 
@@ -49,11 +53,18 @@ class SelfTunedRatios:
         self._logged_at = -math.inf
 
     @classmethod
-    def for_model(cls, model_name: str) -> SelfTunedRatios:
-        """With the model's measured floor, else the conservative one."""
+    def for_model(cls, model_name: str, checked: bool = False) -> SelfTunedRatios:
+        """With the model's measured floor, else the conservative one; `checked`: the server
+        holds a token-agreement target with live checks, which guard a model with no measured
+        floor from the papers' 0.15 on."""
         measured = quality_floor(model_name)
         if measured is not None and measured.ratio is not None:
             return cls(measured.ratio, f"quality floor of {model_name} ({measured.source})")
+        if checked:
+            return cls(
+                CHECKED_FLOOR,
+                f"no measured floor for {model_name}; a token-agreement target checks it live",
+            )
         return cls(CONSERVATIVE_FLOOR, f"conservative floor (no measured floor for {model_name})")
 
     def record_compute(self, seconds: float, token_layers: int) -> None:
