@@ -54,7 +54,9 @@ def _checks(manager: StandIn, **settings: Any) -> ShadowChecks:
 
 
 def _offer(checks: ShadowChecks, rid: str, served: list[int], **kwargs: Any) -> None:
-    checks.prompts[rid] = (SimpleNamespace(output_ids=served), [1, 2, 3])
+    greedily = kwargs.get("temperature", 0.0) == 0
+    state = SimpleNamespace(output_ids=served, customized_info_accumulated={})
+    checks.prompts[rid] = (state, [1, 2, 3], greedily)
     checks.consider(*_request(rid, **kwargs))
 
 
@@ -168,3 +170,27 @@ def test_a_user_request_preempts_a_running_check_which_runs_again_later() -> Non
     checks, manager = asyncio.run(run())
     assert len(manager.aborted) == 1 and checks.counts["requeued"] == 1
     assert checks.counts["checked"] == 1 and checks.counts.get("failed", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "greedily"),
+    [
+        ({"temperature": 0}, True),
+        ({"temperature": 0.7, "top_k": 1}, True),
+        ({"temperature": 0.7}, False),
+        ({"temperature": 0, "repetition_penalty": 1.1}, False),
+        ({"temperature": 0, "frequency_penalty": 0.5}, False),
+        ({"temperature": 0, "min_new_tokens": 4}, False),
+        ({"temperature": 0, "regex": "[0-9]+"}, False),
+        ({"temperature": 0, "logit_bias": {"13": 2.0}}, False),
+    ],
+)
+def test_only_answers_decoded_by_the_raw_greedy_choice_are_checked(
+    params: dict[str, Any], greedily: bool
+) -> None:
+    # SGLang's own resolved sampling parameters: anything that changes a token after the logits
+    # would read as a disagreement whatever the KV.
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    tokenized = SimpleNamespace(sampling_params=SamplingParams(**params))
+    assert module.served_greedily(tokenized) is greedily

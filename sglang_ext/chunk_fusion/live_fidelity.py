@@ -37,10 +37,10 @@ class LiveFidelity:
         self._below = False
         self._lock = threading.Lock()
 
-    def ratio(self, tier: str, floor: float) -> float:
+    def ratio(self, tier: str, floor: float, start: float | None = None) -> float:
         """The target's ratio for `tier` (see AgreementTarget.ratio)."""
         assert self.target is not None
-        ratio = self.target.ratio(tier, floor)
+        ratio = self.target.ratio(tier, floor, start)
         if (metrics := extension_metrics()) is not None:
             metrics.target_ratio(tier, ratio)
         return ratio

@@ -69,7 +69,9 @@ class FusionRuntime:
         self._ratio_table: RatioTable | None = None
         # "auto" without a ratio table: ratios from this server's own prefills and loads.
         self.self_tuned = SelfTunedRatios.for_model(
-            model_name, checked=settings.fusion_target_agreement is not None
+            model_name,
+            checked=settings.fusion_target_agreement is not None
+            and settings.fusion_shadow_rate > 0,
         )
         # The shadow checks' results: the live window and, with a target, each tier's ratio.
         self.fidelity = LiveFidelity(settings)
@@ -311,14 +313,16 @@ def _resolve_auto_ratio(rt: FusionRuntime, plan: RequestPlan) -> None:
         table = rt.ratio_table()
         plan.tuned_ratio = table.ratio_for(tokens)
         floors = {tier: table.tiers[tier].ratio for tier in tokens}
+        starts = floors
         plan.ratio_source = "tuned"
     else:
         plan.tuned_ratio = rt.self_tuned.ratio_for(tokens)
         floors = {tier: rt.self_tuned.tier_ratio(tier) for tier in tokens}
+        starts = {tier: max(floor, rt.self_tuned.start) for tier, floor in floors.items()}
         plan.ratio_source = "self_tuned"
     if rt.fidelity.target is None or not tokens:
         return
-    ratios = {tier: rt.fidelity.ratio(tier, floor) for tier, floor in floors.items()}
+    ratios = {tier: rt.fidelity.ratio(tier, floors[tier], starts[tier]) for tier in tokens}
     total = sum(tokens.values())
     weighted = sum(ratios[tier] * n for tier, n in tokens.items()) / total if total > 0 else 0.0
     plan.tuned_ratio = min(1.0, max(weighted, min(ratios.values())))

@@ -47,7 +47,6 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import (
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ShadowCheckMetrics
 from sglang_hicache_ext.sglang_ext.server.control_routes import (
-    ControlError,
     control,
     server_settings,
 )
@@ -56,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 MAX_TRIES = 3  # a check preempted by users this many times is dropped
 RECENT = 256  # results kept for GET /hicache_ext/shadow_checks
+_HEALTH_RID = "HEALTH_CHECK"  # SGLang's /health_generate probes: no user, no load
 _POLL_S = 0.05
 
 
@@ -75,16 +75,37 @@ def internal_request() -> bool:
     return registering_chunk.get() or probing_placement.get() or running_shadow_check.get()
 
 
-def greedy(sampling_params: Any) -> bool:
-    """Decoded by the greedy choice: temperature 0 (SGLang's own greedy case) or top_k 1."""
-    params = sampling_params if isinstance(sampling_params, dict) else {}
-    return params.get("temperature", 1.0) == 0 or params.get("top_k", -1) == 1
+def served_greedily(tokenized: Any) -> bool:
+    """Every served token was the model's greedy choice: temperature 0 or top-k 1 (the
+    sampling parameters as SGLang resolved them, server-side preferences merged), and nothing
+    that changes a token after the logits (penalties, a bias, a grammar, a minimum length, a
+    watermark, a custom logit processor, a thinking budget) — whose tokens would disagree with
+    the normal prefill's raw greedy choice whatever the KV."""
+    params = getattr(tokenized, "sampling_params", None)
+    if params is None:
+        return False
+    neutral = (
+        getattr(params, "frequency_penalty", 0.0) == 0.0
+        and getattr(params, "presence_penalty", 0.0) == 0.0
+        and getattr(params, "repetition_penalty", 1.0) == 1.0
+        and getattr(params, "min_new_tokens", 0) == 0
+        and not getattr(params, "ignore_eos", False)
+        and not getattr(params, "logit_bias", None)
+        and getattr(params, "watermark", None) is None
+        and all(
+            getattr(params, name, None) is None
+            for name in ("json_schema", "regex", "ebnf", "structural_tag")
+        )
+        and getattr(tokenized, "custom_logit_processor", None) is None
+        and getattr(tokenized, "max_thinking_tokens", None) is None
+    )
+    return neutral and (params.temperature == 0 or params.top_k == 1)
 
 
-def fused_round(meta_info: Any) -> dict[str, Any] | None:
+def fused_round(rounds: Any) -> dict[str, Any] | None:
     """The last prefill round's fusion report when every round of the request was fused (a
     placement probe's excepted), else None."""
-    rounds = (meta_info or {}).get(META_KEY) or []
+    rounds = rounds or []
     if rounds and all(r and r.get("fused") and "probe_form" not in r for r in rounds):
         return dict(rounds[-1])
     return None
@@ -112,8 +133,10 @@ class ShadowChecks:
         self._aborted = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # prompt ids by request id, from tokenizing to the answer (`remember_prompt`)
-        self.prompts: dict[str, tuple[Any, list[int]]] = {}
+        # by request id, from tokenizing to the answer (`remember_prompt`): the request's state
+        # (its output ids and fusion reports, complete when it finishes), its prompt ids, and
+        # whether it is decoded greedily
+        self.prompts: dict[str, tuple[Any, list[int], bool]] = {}
 
     # -- users' requests ------------------------------------------------------------------
 
@@ -133,9 +156,15 @@ class ShadowChecks:
         """A user's single request has its final output: queue a check when it is due."""
         remembered = self.prompts.pop(str(obj.rid), None)
         meta = output.get("meta_info") or {}
-        fusion = fused_round(meta)
         finish = meta.get("finish_reason") or {}
-        if remembered is None or fusion is None or finish.get("type") not in ("stop", "length"):
+        if remembered is None or finish.get("type") not in ("stop", "length"):
+            return
+        state, prompt, greedily = remembered
+        # Every round's report as accumulated (an incremental stream's last chunk has only its
+        # own slice of them).
+        accumulated = getattr(state, "customized_info_accumulated", None) or {}
+        fusion = fused_round(accumulated.get(META_KEY) or meta.get(META_KEY))
+        if fusion is None:
             return
         params = obj.sampling_params if isinstance(obj.sampling_params, dict) else {}
         custom = params.get("custom_params") or {}
@@ -144,10 +173,9 @@ class ShadowChecks:
             return
         if forced is not True and self._random.random() >= self.settings.fusion_shadow_rate:
             return
-        if not greedy(params):
+        if not greedily:
             self.counts["skipped_sampled"] += 1
             return
-        state, prompt = remembered
         served = list(state.output_ids[: self.settings.fusion_shadow_tokens])
         if not served or not prompt:
             return
@@ -200,6 +228,7 @@ class ShadowChecks:
                 "custom_params": {ENABLE_KEY: False, SHADOW_PARAM: check.rid},
             },
             return_logprob=True,
+            log_metrics=False,  # not a user's request: SGLang's own series do not count it
             # Entry i of the input logprobs is token logprob_start_len + i with the top choice
             # before it; SGLang leaves the first entry's empty, so the range starts one token
             # early and entry i + 1 is the greedy choice before served[i].
@@ -267,7 +296,7 @@ class ShadowChecks:
             self.metrics.checked(selector, ratio, agreement.token_agreement, agreement.first_token)
         try:
             await control(RECORD_METHOD, {**result, "counts": dict(self.counts)})
-        except ControlError as err:
+        except Exception as err:  # noqa: BLE001 - the check ran; only the scheduler's copy is lost
             logger.error("shadow check result of %s not recorded: %s", check.rid, err)
 
     def _drop(self, check: PendingCheck, reason: str) -> None:
@@ -331,29 +360,36 @@ async def remember_prompt(original: Any, manager: Any, obj: Any, *args: Any, **k
     if not internal_request() and _may_be_checked(obj, settings):
         state = manager.rid_to_state.get(tokenized.rid)
         if state is not None:
-            shadow_checks(manager, settings).prompts[tokenized.rid] = (state, tokenized.input_ids)
+            shadow_checks(manager, settings).prompts[tokenized.rid] = (
+                state,
+                tokenized.input_ids,
+                served_greedily(tokenized),
+            )
     return tokenized
 
 
 async def track_request(
     original: Any, manager: Any, obj: Any, request: Any = None, *args: Any, **kwargs: Any
 ) -> Any:
-    """AROUND TokenizerManager.generate_request: users' requests in flight (the checks' idle
-    gate), and each single request's final output offered to the checks."""
-    if internal_request():
+    """AROUND TokenizerManager.generate_request: requests in flight (the checks' idle gate; the
+    extension's own registrations and probes hold it too, health probes do not), and each
+    user's single request's final output offered to the checks."""
+    if running_shadow_check.get() or str(getattr(obj, "rid", "")).startswith(_HEALTH_RID):
         async for item in original(manager, obj, request, *args, **kwargs):
             yield item
         return
     checks = shadow_checks(manager, _settings(manager))
+    user = not internal_request()
     checks.user_started()
     finished = False
     try:
         async for item in original(manager, obj, request, *args, **kwargs):
-            if not finished and _final(item):
+            # A batch (or n > 1) is in flight until its generator ends, not at its first answer.
+            if not finished and getattr(obj, "is_single", False) and _final(item):
                 finished = True
                 checks.user_finished()
-                if getattr(obj, "is_single", False):
-                    checks.consider(obj, item)
+                if user:
+                    _consider(checks, obj, item)
             yield item
     finally:
         if not finished:
@@ -361,6 +397,15 @@ async def track_request(
         rids = getattr(obj, "rid", None)
         for rid in rids if isinstance(rids, list) else [rids]:
             checks.prompts.pop(str(rid), None)
+
+
+def _consider(checks: ShadowChecks, obj: Any, item: dict[str, Any]) -> None:
+    # The answer has been served: nothing here may fail the user's request.
+    try:
+        checks.consider(obj, item)
+    except Exception:  # noqa: BLE001
+        logger.exception("shadow check of request %s not queued", getattr(obj, "rid", "?"))
+        checks.counts["failed"] += 1
 
 
 def _final(item: Any) -> bool:

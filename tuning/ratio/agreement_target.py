@@ -3,23 +3,28 @@
 The server's shadow checks (`sglang_ext/server/shadow_checks.py`) measure, for a sample of fused
 requests, the share of served tokens that are the normal prefill's greedy choice
 (`evaluation/token_agreement.py`). With `fusion_recompute_ratio: "auto"` and a target
-(`fusion_target_agreement`), each tier's ratio follows those checks: it starts at the ratio
-"auto" gives the tier without a target (tuned, or self-tuned: `self_tuned.py`), which is also its
-floor — from a fast tier that is the model's quality floor, from a slow one the ratio where
-loading the reused rows stops costing more than recomputing them, so going lower would cost
-fidelity and buy no time — and moves only on evidence:
+(`fusion_target_agreement`), each tier's ratio follows those checks. Its floor is the ratio
+"auto" gives the tier without a target (tuned, or self-tuned: `self_tuned.py`): from a fast tier
+that is the model's quality floor, from a slow one the ratio where loading the reused rows stops
+costing more than recomputing them, so going lower would cost fidelity and buy no time. It
+starts there (or at a given start above it: a model with no measured floor starts at the
+conservative ratio and only checks lower it) and moves only on evidence, judged once per block
+of `min_samples` new checks at the current ratio (judging after every check of a sliding window
+would trigger on noise far more often than one standard error says):
 
 - raise when the checks at the current ratio agree less than the target by more than their
-  standard error, by a step proportional to the gap (`gain`, clipped to [min_step, max_step]);
+  standard error, by a step proportional to the gap (`gain`, clipped to [MIN_STEP, MAX_STEP]);
 - lower when they agree more than target + margin by more than their standard error (the margin
   is the hysteresis: a ratio just above the target stays, so the ratio does not oscillate around
   it), never below the floor;
-- otherwise hold; the checks at the current ratio keep sliding (`max_samples`), so a workload
+- otherwise hold; the checks at the current ratio keep sliding (`MAX_SAMPLES`), so a workload
   that changes later moves it again.
 
 Each move starts a new sample (only checks of requests fused at the tier's current ratio count),
-so a check that was queued while the ratio moved never pushes it twice. Thread-safe: the
-scheduler asks for ratios, the control channel records checks.
+so a check that was queued while the ratio moved never pushes it twice. A floor that rises (a
+slow tier's measured balance point moves with every timing) lifts the ratio only by MIN_STEP or
+more, so timing noise does not keep wiping the sample. Thread-safe: the scheduler asks for
+ratios, the control channel records checks.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class _TierState:
     ratio: float
     floor: float
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    since_judged: int = 0  # checks since the last decision
     moves: int = 0
 
 
@@ -73,18 +79,21 @@ class AgreementTarget:
         self._tiers: dict[str, _TierState] = {}
         self._lock = threading.Lock()
 
-    def ratio(self, tier: str, floor: float) -> float:
+    def ratio(self, tier: str, floor: float, start: float | None = None) -> float:
         """The tier's ratio now. `floor` is the ratio "auto" gives the tier without a target:
-        the first call starts there, and the ratio never goes below it (a tier whose floor
-        rises, as a slow tier's measured balance point can, is lifted with it)."""
+        the ratio never goes below it; the first call starts at `start` (default: the floor).
+        A floor that rises by MIN_STEP or more above the ratio lifts it."""
+        floor = round(floor, 2)
         with self._lock:
             state = self._tiers.get(tier)
             if state is None:
-                state = self._tiers[tier] = _TierState(floor, floor)
+                begin = floor if start is None else max(floor, round(start, 2))
+                state = self._tiers[tier] = _TierState(begin, floor)
             state.floor = floor
-            if state.ratio < floor:
+            if floor - state.ratio >= MIN_STEP:
                 state.ratio = floor
                 state.samples.clear()
+                state.since_judged = 0
             return state.ratio
 
     def record(self, tier: str, ratio: float, agreement: float) -> float | None:
@@ -98,12 +107,14 @@ class AgreementTarget:
             if state is None or not math.isclose(ratio, state.ratio, abs_tol=1e-9):
                 return None
             state.samples.append(agreement)
+            state.since_judged += 1
+            if state.since_judged < self.min_samples:
+                return None
+            state.since_judged = 0
             return self._move(state)
 
     def _move(self, state: _TierState) -> float | None:
         n = len(state.samples)
-        if n < self.min_samples:
-            return None
         mean = statistics.fmean(state.samples)
         error = max(statistics.stdev(state.samples), MIN_SPREAD) / math.sqrt(n)
         if self.target - mean > error and state.ratio < 1.0:

@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 # needed on the models measured so far (docs/fusion-quality.md), rather than the papers' 0.15.
 CONSERVATIVE_FLOOR = 0.3
 # The same model when the server checks its fused answers live against a token-agreement target
-# (`agreement_target.py`): the checks stand in for the missing measurement and raise the ratio
-# where answers need it, so it starts where the papers do (CacheTune's r_min).
+# (`agreement_target.py`): it still starts at the conservative ratio, but the checks stand in for
+# the missing measurement and may lower it to where the papers start (CacheTune's r_min).
 CHECKED_FLOOR = 0.15
 HOST_TIER = "host"
 _LOG_EVERY_S = 60.0
@@ -41,11 +41,16 @@ class SelfTunedRatios:
     """Per-tier ratios from the server's own measurements (thread-safe: the scheduler records,
     a status route may read)."""
 
-    def __init__(self, floor: float, floor_source: str, window: int = 32) -> None:
+    def __init__(
+        self, floor: float, floor_source: str, window: int = 32, start: float | None = None
+    ) -> None:
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"the ratio floor must be in [0, 1], got {floor}")
         self.floor = floor
         self.floor_source = floor_source
+        # Where a token-agreement target starts a tier (never below its ratio here): above the
+        # floor only for a model whose floor is the checked one, not a measured one.
+        self.start = floor if start is None else max(floor, start)
         self._compute: deque[float] = deque(maxlen=window)
         self._load: dict[str, deque[float]] = {}
         self._window = window
@@ -55,15 +60,17 @@ class SelfTunedRatios:
     @classmethod
     def for_model(cls, model_name: str, checked: bool = False) -> SelfTunedRatios:
         """With the model's measured floor, else the conservative one; `checked`: the server
-        holds a token-agreement target with live checks, which guard a model with no measured
-        floor from the papers' 0.15 on."""
+        holds a token-agreement target and runs shadow checks, which may lower a model with no
+        measured floor from the conservative ratio to the papers' 0.15."""
         measured = quality_floor(model_name)
         if measured is not None and measured.ratio is not None:
             return cls(measured.ratio, f"quality floor of {model_name} ({measured.source})")
         if checked:
             return cls(
                 CHECKED_FLOOR,
-                f"no measured floor for {model_name}; a token-agreement target checks it live",
+                f"no measured floor for {model_name}; a token-agreement target checks it live "
+                f"from {CONSERVATIVE_FLOOR} down",
+                start=CONSERVATIVE_FLOOR,
             )
         return cls(CONSERVATIVE_FLOOR, f"conservative floor (no measured floor for {model_name})")
 
@@ -106,6 +113,7 @@ class SelfTunedRatios:
         return {
             "floor": self.floor,
             "floor_source": self.floor_source,
+            "target_start": self.start,
             "compute_s_per_token_layer": compute,
             "load_s_per_token_layer": loads,
             "ratios": {tier: self.tier_ratio(tier) for tier in (HOST_TIER, *loads)},
