@@ -66,6 +66,11 @@ def register() -> None:
         HookType.AROUND,
     )
     HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache",
+        fused_prefill.no_storage_prefetch_for_checks,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
         "sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority",
         fused_prefill.shadow_checks_last,
         HookType.AFTER,

@@ -169,6 +169,16 @@ def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **
     return original(adder, req, *args, **kwargs)
 
 
+def no_storage_prefetch_for_checks(
+    original: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND hook on Scheduler._prefetch_kvcache: a shadow check loads nothing from HiCache's
+    storage tier (that would move pages and count as the disk tier's hits); it computes."""
+    if shadow_of(req) is not None:
+        return None
+    return original(scheduler, req, *args, **kwargs)
+
+
 def continue_shadow_check(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook on PrefillAdder.add_chunked_req: a shadow check's later rounds stay small too."""
     if shadow_of(req) is None:
