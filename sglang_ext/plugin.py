@@ -18,7 +18,7 @@ from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, Set
 from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 from sglang_hicache_ext.sglang_ext.cpu import compat as cpu_compat
 from sglang_hicache_ext.sglang_ext.cpu import position_attention as attention_backend
-from sglang_hicache_ext.sglang_ext.server import http_routes, preflight, shadow_checks
+from sglang_hicache_ext.sglang_ext.server import http_routes, preflight, shadow_check_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +92,12 @@ def register() -> None:
         )
         HookRegistry.register(
             "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
-            shadow_checks.track_request,
+            shadow_check_hooks.track_request,
             HookType.AROUND,
         )
         HookRegistry.register(
             "sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
-            shadow_checks.remember_prompt,
+            shadow_check_hooks.remember_prompt,
             HookType.AROUND,
         )
         HookRegistry.register(

@@ -14,6 +14,7 @@ import pytest
 
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.server import shadow_checks as module
+from sglang_hicache_ext.sglang_ext.server.shadow_check_hooks import served_greedily
 from sglang_hicache_ext.sglang_ext.server.shadow_checks import ShadowChecks
 
 FUSED = {"fused": True, "selector": "question_attention", "recompute_ratio": 0.3}
@@ -193,4 +194,4 @@ def test_only_answers_decoded_by_the_raw_greedy_choice_are_checked(
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     tokenized = SimpleNamespace(sampling_params=SamplingParams(**params))
-    assert module.served_greedily(tokenized) is greedily
+    assert served_greedily(tokenized) is greedily
