@@ -64,6 +64,7 @@ HARNESS_METHOD = {
     "0.15": "question_attention+sink8+prefix@0.15",
     "0.3": "question_attention+sink8+prefix@0.3",
     "0.5": "question_attention+sink8+prefix@0.5",
+    "0.7": "question_attention+sink8+prefix@0.7",
 }
 
 
@@ -180,6 +181,9 @@ def summarise(rows: list[dict[str, Any]], harness: dict[str, Any] | None) -> dic
             "ratios": sorted({run["recompute_ratio"] for _, run in runs}, key=str),
         }
         method = "full" if config in ("1", "1.0") else HARNESS_METHOD.get(config)
+        if config == "default" and len(item["ratios"]) == 1:
+            # The server's own choice: compared with the harness at the ratio it chose.
+            method = HARNESS_METHOD.get(f"{item['ratios'][0]:g}")
         paired = [
             (
                 run["check"]["token_agreement"],

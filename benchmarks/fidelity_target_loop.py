@@ -16,6 +16,9 @@ other questions, all registered), medians.
 
     python -m benchmarks.fidelity_target_loop --targets 0.85,0.95 --requests 150
 -> benchmarks/results/fidelity_target_loop_qwen.json, .png
+
+`--model smollm2` runs the same loop on SmolLM2-135M (about 8x faster on this CPU, answers
+that say little: its figures show the controller at work, not Qwen2.5's fidelity).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from benchmarks.fidelity_live import ask, wait_for_check
 from benchmarks.fusion_quality import chat_prefix, chatml_prompt
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
-from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, prepared_model
+from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
@@ -198,18 +201,21 @@ def main() -> int:
     parser.add_argument("--start", type=float, default=0.15)
     parser.add_argument("--ttft-prompts", type=int, default=5)
     parser.add_argument("--min-tokens", type=int, default=3000)
-    parser.add_argument("--out", type=Path, default=RESULTS / "fidelity_target_loop_qwen.json")
+    parser.add_argument("--model", choices=("qwen", "smollm2"), default="qwen")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    model = prepared_model(QWEN_CODER)
+    name = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}[args.model]
+    out = args.out or RESULTS / f"fidelity_target_loop_{args.model}.json"
+    model = prepared_model(name)
     if model is None:
-        raise SystemExit(f"{QWEN_CODER} is not prepared: run `make models-qwen`")
+        raise SystemExit(f"{name} is not prepared: run `make models` / `make models-qwen`")
     tokenizer = AutoTokenizer.from_pretrained(model)
     stop = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
     examples = loop_questions(args.requests + args.ttft_prompts)
     report: dict[str, Any] = {
-        "model": QWEN_CODER,
+        "model": name,
         "command": " ".join(sys.argv),
         "start": args.start,
         "runs": [],
@@ -251,9 +257,9 @@ def main() -> int:
                     stop,
                 )
         report["runs"].append({"summary": summary, "ttft_at_settled": ttft, "steps": steps})
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        out.write_text(json.dumps(report, indent=1) + "\n")
         print(json.dumps({"summary": summary, "ttft_at_settled": ttft}, indent=1), flush=True)
-    plot(report, args.out.with_suffix(".png"))
+    plot(report, out.with_suffix(".png"))
     return 0
 
 
