@@ -166,6 +166,7 @@ def test_no_registered_chunk_falls_back_to_normal_prefill(hicache_server) -> Non
         ({"fusion_recompute_ratio": -0.1}, "must be a number in [0, 1]"),
         ({"fusion_selector": "magic"}, "is unknown"),
         ({"fusion": "yes"}, "must be true or false"),
+        ({"fusion_shadow": "yes"}, "fusion_shadow must be true or false (or null)"),
         ({"fusion_sink_tokens": -4}, "must be an integer >= 0"),
         ({"fusion_decode_capacity": 0}, "must be in (0, 1]"),
         ({"fusion_decode_capacity": 1.5}, "must be in (0, 1]"),

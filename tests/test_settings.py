@@ -49,6 +49,8 @@ def test_toml_and_json_files(tmp_path: Path) -> None:
         ("chunk_store_bytes = 1.5\n", "chunk_store_bytes = 1.5 should be of type int"),
         ("fusion_sink_tokens = -1\n", "fusion_sink_tokens = -1 must be >= 0"),
         ("fusion_recompute_ratio = 1.5\n", "fusion_recompute_ratio = 1.5 must be in [0, 1]"),
+        ("fusion_shadow_rate = 1.5\n", "fusion_shadow_rate = 1.5 must be in [0, 1]"),
+        ("fusion_target_agreement = -0.1\n", "fusion_target_agreement = -0.1 must be in [0, 1]"),
         ('fusion_selector = "magic"\n', "fusion_selector = 'magic' is unknown; choose from"),
         ("fusion_decode_capacity = 0\n", "fusion_decode_capacity = 0 must be in (0, 1], the"),
         ("fusion_decode_capacity = 1.5\n", "fusion_decode_capacity = 1.5 must be in (0, 1]"),

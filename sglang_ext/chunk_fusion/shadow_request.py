@@ -21,8 +21,10 @@ T = TypeVar("T")
 SHADOW_PARAM = "hicache_ext_shadow_of"  # internal: the id of the request being checked
 # A check's prompt is prefilled in rounds of at most this many tokens, whatever the server's
 # --chunked-prefill-size: a user request that arrives meanwhile waits for one such round (the
-# HTTP process aborts the check, `server/shadow_checks.py`), not for a whole prompt.
-ROUND_TOKENS = 512
+# HTTP process aborts the check, `server/shadow_checks.py`), not for a whole prompt. 128: with
+# 512 a user arriving during a check paid +7 % median TTFT on SmolLM2's 3K-token prompts
+# (benchmarks/shadow_cost.py --think-s 1); a CPU forward of 128 tokens is still efficient.
+ROUND_TOKENS = 128
 
 # Set by the shadow checks around their own requests; a client sending SHADOW_PARAM is refused.
 running_shadow_check: contextvars.ContextVar[bool] = contextvars.ContextVar(
