@@ -313,16 +313,16 @@ def _resolve_auto_ratio(rt: FusionRuntime, plan: RequestPlan) -> None:
         table = rt.ratio_table()
         plan.tuned_ratio = table.ratio_for(tokens)
         floors = {tier: table.tiers[tier].ratio for tier in tokens}
-        starts = floors
+        start = None  # a tuned tier starts at its own ratio
         plan.ratio_source = "tuned"
     else:
         plan.tuned_ratio = rt.self_tuned.ratio_for(tokens)
         floors = {tier: rt.self_tuned.tier_ratio(tier) for tier in tokens}
-        starts = {tier: max(floor, rt.self_tuned.start) for tier, floor in floors.items()}
+        start = rt.self_tuned.start  # AgreementTarget keeps a tier's start at its floor or above
         plan.ratio_source = "self_tuned"
     if rt.fidelity.target is None or not tokens:
         return
-    ratios = {tier: rt.fidelity.ratio(tier, floors[tier], starts[tier]) for tier in tokens}
+    ratios = {tier: rt.fidelity.ratio(tier, floor, start) for tier, floor in floors.items()}
     total = sum(tokens.values())
     weighted = sum(ratios[tier] * n for tier, n in tokens.items()) / total if total > 0 else 0.0
     plan.tuned_ratio = min(1.0, max(weighted, min(ratios.values())))

@@ -5,9 +5,9 @@ once more with fusion off, to compare the served tokens with the normal prefill'
 Its request carries the checked request's id under an internal `custom_params` key. In the
 scheduler it must not change what users see: it never enters the prefix tree (its rows are exact,
 but a user's later prompt must not find the cache changed by a check), is not recorded as an
-access of the disk tier's pages and loads nothing from HiCache's storage, is never batched with users' requests and waits behind every
-user request in the queue, and is prefilled in small rounds so that a user request arriving
-while it runs waits for one round at most.
+access of the disk tier's pages and loads nothing from HiCache's storage, is never batched with
+users' requests and waits behind every user request in the queue, and is prefilled in small
+rounds so that a user request arriving while it runs waits for one round at most.
 """
 
 from __future__ import annotations
