@@ -30,6 +30,7 @@ from typing import Any
 
 import requests
 
+from benchmarks.auto_reuse_limits import paired_ratio
 from benchmarks.fusion_speed import build_prompts
 from benchmarks.smollm2_server import RESULTS, smollm2_path, smollm2_tokenizer
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
@@ -92,16 +93,14 @@ def main() -> int:
             runs[arm].append(run_arm(SETTINGS[arm], prompts, args.think_s, args.answer_tokens))
             print(f"round {round_ + 1} {arm}: {runs[arm][-1]}", flush=True)
     pooled = {arm: [t for run in runs[arm] for t in run["ttft_s"]] for arm in SETTINGS}
-    per_prompt = [
-        statistics.median(run["ttft_s"][i] for run in runs["checked"])
-        / statistics.median(run["ttft_s"][i] for run in runs["unchecked"])
-        for i in range(len(prompts))
-    ]
     summary = {
         "median_ttft_s": {arm: statistics.median(values) for arm, values in pooled.items()},
         "pooled_ratio": statistics.median(pooled["checked"])
         / statistics.median(pooled["unchecked"]),
-        "prompt_by_prompt_ratio": statistics.median(per_prompt),
+        "prompt_by_prompt_ratio": paired_ratio(
+            [run["ttft_s"] for run in runs["checked"]],
+            [run["ttft_s"] for run in runs["unchecked"]],
+        ),
         "shadow_counts_checked_arm": [run["shadow_counts"] for run in runs["checked"]],
     }
     report = {
