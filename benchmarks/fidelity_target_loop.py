@@ -92,6 +92,8 @@ def run_loop(
                 "first_token_agree": None if check is None else check["first_token_agree"],
             }
         )
+        # One line a request: a run of hours leaves its trace in the log even if it is cut.
+        tqdm.write(f"request {len(steps)}: {json.dumps(steps[-1])}")
     return steps
 
 
@@ -224,7 +226,7 @@ def main() -> int:
         workdir = Path(tempfile.mkdtemp(prefix="fidelity-loop-"))
         table = workdir / "ratios.json"
         start = TunedRatio(args.start, args.start, args.start, 1.0, "closed-loop start")
-        RatioTable(str(model), {"host": start}).save(table)
+        RatioTable(Path(model).name, {"host": start}).save(table)
         settings = workdir / "settings.json"
         settings.write_text(
             json.dumps(
