@@ -1,12 +1,26 @@
-"""Fusion core alone: full vs fused prefill TTFT on random-weight Llama-3-8B-shaped models.
+"""The fusion core on a GPU: FlashInfer vs torch attention, fused vs full prefill, host loads.
 
-Default (GPU): bf16, 32 layers / 4096 hidden / 32 heads / 8 KV heads, Llama-3 RoPE scaling, at
-8K/16K/32K tokens. `--small` runs a 4-layer tiny model in fp32 at 512 tokens on CPU (the test
-suite runs it that way). Each request is a short system prefix, chunks that were precomputed
-beforehand (not timed), and a question. TTFT = median over repeats of one prefill to the last
-token's logits, after a warm-up. Results: JSON in benchmarks/results/.
+Random-weight models of real sizes (fp16, `--dtype`): Llama-3-8B's and Qwen2.5-7B's shapes. Each request is
+a short system prefix, chunks precomputed beforehand (not timed) and a question, `--lengths`
+tokens in all. Per model and length:
+- the full prefill through the executor with each attention backend, and the model's own
+  forward, and how far the backends' logits are apart (r = 1);
+- the fused prefill at each `--ratios` with the server's default selector (question attention,
+  8 sink tokens; r = 0.3 is "auto"'s start for a model without a measured floor), each backend:
+  time, speed-up over the full prefill, logits against the full prefill;
+- with the chunks in pinned host memory (`fusion.host_chunk`), at `--host-ratio`: the same fused
+  prefill with the chunks on the GPU, read at the point of use on the compute stream (serial),
+  read a layer ahead on a copy stream (overlapped, dense and sparse copies), and as plain host
+  tensors (the core before the host chunk); the share of the serial transfer the overlap hides.
+Once per model: the attention kernel alone, FlashInfer vs torch, fp16, causal and masked.
 
-Usage: python -m benchmarks.fusion_gpu [--small] [--lengths 8192 16384 32768] [--ratio 0.15]
+TTFT = median over `--repeats` of one prefill to the last token's logits, after a warm-up. JSON
+in benchmarks/results/ after every length (a run cut short keeps what it measured);
+`--budget-s` stops starting new lengths past that many seconds. `--small` runs the tests' tiny
+4-layer Llama in fp32 at 512 tokens on the CPU (torch attention only).
+
+    python -m benchmarks.fusion_gpu                      # GPU -> fusion_gpu.json
+    python -m benchmarks.fusion_gpu --small --device cpu # -> fusion_gpu_small.json
 """
 
 from __future__ import annotations
@@ -15,8 +29,10 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,52 +40,52 @@ import torch
 from tqdm import tqdm
 
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
-from sglang_hicache_ext.fusion.executor import fused_prefill
+from sglang_hicache_ext.fusion.attention import flashinfer_available, position_causal_attention
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.executor import FusionJob, fused_prefill, fused_prefill_batch
+from sglang_hicache_ext.fusion.host_chunk import HostChunk
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
 from sglang_hicache_ext.fusion.selectors import make_selector
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
-FUSED_SELECTORS = ("a3", "freq", "cacheblend", "epic", "reuse")
 SYSTEM_TOKENS = 16
 QUESTION_TOKENS = 32
+# fp16 tolerance of the attention check: FlashInfer's own tests compare with torch at 1e-3.
+FP16_TOLERANCE = 1e-3
 
 
-def llama3_8b_config(small: bool) -> Any:
-    from transformers import LlamaConfig
+def build_adapter(name: str, device: torch.device, dtype: torch.dtype) -> HFCausalLMAdapter:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if small:
+    if name == "tiny_llama":
         from scripts.prepare_models import tiny_config
 
-        # The tests' tiny Llama: four layers, so a3/cacheblend (check layer 1) still have fused
-        # layers after it.
-        return tiny_config("llama", vocab_size=1024)
-    architecture = json.loads((MODEL_CONFIGS / "llama3_8b.json").read_text())
-    architecture.pop("_comment")
-    return LlamaConfig(**architecture)
-
-
-def build_adapter(small: bool, device: torch.device, dtype: torch.dtype) -> HFCausalLMAdapter:
-    from transformers import LlamaForCausalLM
-
+        # The tests' tiny Llama: four layers, so selectors with a check layer still fuse after it.
+        config = tiny_config("llama", vocab_size=1024)
+    else:
+        architecture = json.loads((MODEL_CONFIGS / f"{name}.json").read_text())
+        architecture.pop("_comment")
+        config = AutoConfig.for_model(architecture.pop("model_type"), **architecture)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        # Built directly on the device in the target dtype: an 8B fp32 CPU copy would not fit.
+        # Built on the device in the target dtype: an 8B fp32 copy on the host would not fit.
         with torch.device(device):
-            model = LlamaForCausalLM(llama3_8b_config(small)).eval()
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     finally:
         torch.set_default_dtype(previous)
     return HFCausalLMAdapter(model)
 
 
 def build_request(
-    adapter: HFCausalLMAdapter, total: int, chunk_tokens: int, vocab: int
+    adapter: HFCausalLMAdapter, total: int, chunk_tokens: int
 ) -> tuple[list[Segment], torch.Tensor]:
     """System prefix + precomputed chunks + question, `total` tokens in all."""
     generator = torch.Generator().manual_seed(total)
+    vocab = adapter.model.config.vocab_size
     ids = torch.randint(0, vocab, (total,), generator=generator).tolist()
     body_end = total - QUESTION_TOKENS
     segments: list[Segment] = [TextSegment(tuple(ids[:SYSTEM_TOKENS]))]
@@ -81,7 +97,7 @@ def build_request(
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up: kernels, allocator
+    fn()  # warm-up: kernels, JIT, allocator
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -92,52 +108,187 @@ def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) ->
     return statistics.median(times)
 
 
-def run_length(
-    adapter: HFCausalLMAdapter, total: int, args: argparse.Namespace, device: torch.device
-) -> dict[str, Any]:
-    vocab = adapter.model.config.vocab_size
-    segments, ids = build_request(adapter, total, args.chunk_tokens, vocab)
-    full = make_selector("full", 1.0)
-    reference = fused_prefill(adapter, segments, full).logits
-    row: dict[str, Any] = {
-        "tokens": total,
-        "chunk_tokens": sum(s.chunk.num_tokens for s in segments if isinstance(s, ChunkSegment)),
-        "full_s": median_seconds(
-            lambda: fused_prefill(adapter, segments, full), args.repeats, device
-        ),
-        "hf_forward_s": _hf_forward_seconds(adapter, ids.to(device), args.repeats, device),
-        "fused": {},
+def logit_gap(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
+    """How far last-token logits are from a reference: max |diff| relative to the reference's
+    spread, and whether the greedy token is the same."""
+    diff = float((logits.float() - reference.float()).abs().max())
+    return {
+        "max_logit_diff": diff,
+        "max_logit_diff_rel": diff / max(float(reference.float().std()), 1e-12),
+        "top1_agrees": bool(logits.argmax() == reference.argmax()),
     }
-    for name in tqdm(args.selectors, desc=f"{total} tokens", leave=False, disable=None):
-        selector = make_selector(name, args.ratio, sink_tokens=args.sink_tokens)
-        result = fused_prefill(adapter, segments, selector)
-        seconds = median_seconds(
-            lambda sel=selector: fused_prefill(adapter, segments, sel), args.repeats, device
-        )
-        row["fused"][name] = {
-            "ratio": selector.ratio,
-            "ttft_s": seconds,
-            "speedup_vs_full": row["full_s"] / seconds,
-            "selected": int(result.selected.numel()),
-            "computed_tokens_per_layer": list(result.computed_tokens),
-            "max_logit_diff_vs_full": float((result.logits - reference).abs().max()),
-            "top1_agrees_with_full": bool(result.logits.argmax() == reference.argmax()),
+
+
+def attention_check(adapter: HFCausalLMAdapter, device: torch.device) -> dict[str, Any]:
+    """FlashInfer vs torch on one attention call of the model's heads, fp16, 4,096 tokens:
+    causal (a full prefill) and masked (15 % of the tokens as queries over all keys)."""
+    shape = adapter.shape
+    generator = torch.Generator(device=device).manual_seed(1)
+    n, dim = 4096, shape.head_dim
+    q = torch.randn(n, shape.num_q_heads, dim, device=device, generator=generator)
+    k = torch.randn(n, shape.num_kv_heads, dim, device=device, generator=generator)
+    v = torch.randn(n, shape.num_kv_heads, dim, device=device, generator=generator)
+    q, k, v = q.half(), k.half(), v.half()
+    positions = torch.arange(n, device=device)
+    queries = torch.sort(torch.randperm(n, device=device, generator=generator)[: n * 15 // 100])
+    cases = {"causal": (q, positions), "masked": (q[queries.values], queries.values)}
+    report: dict[str, Any] = {"dtype": "float16", "tokens": n, "tolerance": FP16_TOLERANCE}
+    for case, (query, query_positions) in cases.items():
+        outputs = {
+            backend: position_causal_attention(
+                query, k, v, query_positions, positions, dim**-0.5, backend=backend
+            )
+            for backend in ("flashinfer", "torch")
         }
+        diff = (outputs["flashinfer"].float() - outputs["torch"].float()).abs()
+        report[case] = {
+            "max_abs_diff": float(diff.max()),
+            "within_tolerance": bool(
+                torch.allclose(
+                    outputs["flashinfer"],
+                    outputs["torch"],
+                    atol=FP16_TOLERANCE,
+                    rtol=FP16_TOLERANCE,
+                )
+            ),
+        }
+    return report
+
+
+def host_loads(
+    adapter: HFCausalLMAdapter,
+    segments: list[Segment],
+    selector_name: str,
+    ratio: float,
+    args: argparse.Namespace,
+    device: torch.device,
+    backend: str,
+) -> dict[str, Any]:
+    """The fused prefill with its chunks on the GPU vs in pinned host memory, read four ways."""
+    selector = make_selector(selector_name, ratio, sink_tokens=args.sink_tokens)
+    pinned = {}
+    for segment in segments:
+        if isinstance(segment, ChunkSegment):
+            chunk = segment.chunk
+            assert isinstance(chunk, PrecomputedChunk)
+            pinned[id(segment)] = HostChunk.hold(chunk, device).chunk
+
+    def with_chunks(make: Callable[[PrecomputedChunk], Any]) -> list[Segment]:
+        return [
+            replace(s, chunk=make(pinned[id(s)])) if isinstance(s, ChunkSegment) else s
+            for s in segments
+        ]
+
+    variants = {
+        "gpu": (segments, True),
+        "host_serial": (with_chunks(lambda c: HostChunk(c, device, side_stream=False)), False),
+        "host_overlapped": (with_chunks(lambda c: HostChunk(c, device)), True),
+        "host_overlapped_sparse": (with_chunks(lambda c: HostChunk(c, device, 1.0)), True),
+        "host_plain": (with_chunks(lambda c: c), True),  # the core before `fusion.host_chunk`
+    }
+    reference = None
+    row: dict[str, Any] = {"ratio": ratio, "selector": selector_name, "backend": backend}
+    for name, (variant, overlap) in variants.items():
+        job = FusionJob(variant, selector, overlap_loads=overlap)
+
+        def run(job: FusionJob = job) -> Any:
+            return fused_prefill_batch(adapter, [job], attention_backend=backend)[0]
+
+        result = run()
+        reference = result.logits if reference is None else reference
+        row[name] = {
+            "ttft_s": median_seconds(run, args.repeats, device),
+            "load_wait_s": result.load_wait_s,
+            "identical_to_gpu": bool(torch.equal(result.logits, reference)),
+        }
+    exposed = row["host_overlapped"]["ttft_s"] - row["gpu"]["ttft_s"]
+    serial = row["host_serial"]["ttft_s"] - row["gpu"]["ttft_s"]
+    row["serial_transfer_s"] = serial
+    row["exposed_transfer_s"] = exposed
+    # On the CPU there is no bus to hide: the share means nothing there.
+    row["hidden_share"] = 1 - exposed / serial if serial > 0 and device.type == "cuda" else None
+    chunk_bytes = sum(c.nbytes for c in pinned.values())
+    row["chunk_bytes"] = chunk_bytes
+    # Host -> GPU bandwidth of a plain copy of every chunk's K/V (pinned), for the projection.
+    if device.type == "cuda":
+        tensors = [t for c in pinned.values() for t in (*c.keys, *c.values)]
+        seconds = median_seconds(
+            lambda: [t.to(device, non_blocking=True) for t in tensors], args.repeats, device
+        )
+        row["h2d_gb_per_s"] = chunk_bytes / seconds / 1e9
     return row
 
 
-def _hf_forward_seconds(
-    adapter: HFCausalLMAdapter, ids: torch.Tensor, repeats: int, device: torch.device
-) -> float | None:
-    """The model's own forward (last-token logits) as a sanity bound for our executor."""
+def run_length(
+    adapter: HFCausalLMAdapter, total: int, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    segments, ids = build_request(adapter, total, args.chunk_tokens)
+    full = make_selector("full", 1.0)
+    row: dict[str, Any] = {
+        "tokens": total,
+        "chunk_tokens": sum(s.chunk.num_tokens for s in segments if isinstance(s, ChunkSegment)),
+        "full": {},
+        "fused": {},
+    }
+    reference = None
+    for backend in args.backends:
+        logits = fused_prefill(adapter, segments, full, attention_backend=backend).logits
+        reference = logits if reference is None else reference
+        row["full"][backend] = {
+            "ttft_s": median_seconds(
+                lambda b=backend: fused_prefill(adapter, segments, full, attention_backend=b),
+                args.repeats,
+                device,
+            ),
+            "vs_first_backend": logit_gap(logits, reference),
+        }
+    assert reference is not None
+    row["hf_forward"] = _hf_forward(adapter, ids.to(device), reference, args.repeats, device)
+    for selector_name in args.selectors:
+        for ratio in args.ratios:
+            key = f"{selector_name}@{ratio}"
+            row["fused"][key] = {}
+            selector = make_selector(selector_name, ratio, sink_tokens=args.sink_tokens)
+            for backend in args.backends:
+                result = fused_prefill(adapter, segments, selector, attention_backend=backend)
+                seconds = median_seconds(
+                    lambda s=selector, b=backend: fused_prefill(
+                        adapter, segments, s, attention_backend=b
+                    ),
+                    args.repeats,
+                    device,
+                )
+                row["fused"][key][backend] = {
+                    "ttft_s": seconds,
+                    "ttft_vs_full": seconds / row["full"][backend]["ttft_s"],
+                    "selected": int(result.selected.numel()),
+                    "computed_tokens_per_layer": list(result.computed_tokens),
+                    "vs_full": logit_gap(result.logits, reference),
+                }
+    if total in args.host_lengths:
+        row["host_loads"] = host_loads(
+            adapter, segments, args.selectors[0], args.host_ratio, args, device, args.backends[0]
+        )
+    return row
+
+
+def _hf_forward(
+    adapter: HFCausalLMAdapter,
+    ids: torch.Tensor,
+    reference: torch.Tensor,
+    repeats: int,
+    device: torch.device,
+) -> dict[str, Any] | None:
+    """The model's own forward (last-token logits): a bound for the executor's full prefill."""
     model = adapter.model
 
-    def forward() -> None:
+    def forward() -> torch.Tensor:
         with torch.inference_mode():
-            model(ids[None], use_cache=False, logits_to_keep=1)
+            return model(ids[None], use_cache=False, logits_to_keep=1).logits[0, -1]
 
     try:
-        return median_seconds(forward, repeats, device)
+        logits = forward()
+        return {"ttft_s": median_seconds(forward, repeats, device), **logit_gap(logits, reference)}
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
@@ -151,61 +302,112 @@ def _sync(device: torch.device) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny 4-layer fp32 model, 512 tokens")
+    parser.add_argument("--models", nargs="+", default=None, help="llama3_8b qwen2_5_7b")
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
     parser.add_argument("--chunk-tokens", type=int, default=None)
-    parser.add_argument("--ratio", type=float, default=0.15)
-    parser.add_argument("--sink-tokens", type=int, default=0, help="first tokens per chunk kept")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.3])
+    parser.add_argument("--selectors", nargs="+", default=["question_attention"])
+    parser.add_argument("--sink-tokens", type=int, default=8, help="the server's default")
+    parser.add_argument("--backends", nargs="+", default=None, help="flashinfer torch")
+    parser.add_argument("--host-lengths", type=int, nargs="*", default=None)
+    parser.add_argument("--host-ratio", type=float, default=0.15)
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--selectors", nargs="+", default=list(FUSED_SELECTORS))
+    parser.add_argument("--budget-s", type=float, default=None, help="no new length after this")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    args.lengths = args.lengths or ([512] if args.small else [8192, 16384, 32768])
+    args.models = args.models or (["tiny_llama"] if args.small else ["llama3_8b", "qwen2_5_7b"])
+    args.lengths = args.lengths or ([512] if args.small else [4096, 16384, 32768])
+    args.host_lengths = args.host_lengths if args.host_lengths is not None else args.lengths[:2]
     args.chunk_tokens = args.chunk_tokens or (128 if args.small else 1024)
-    args.repeats = args.repeats or (1 if args.small else 5)
-    name = "fusion_gpu_small.json" if args.small else "fusion_gpu.json"
-    args.out = args.out or RESULTS / name
+    args.repeats = args.repeats or (1 if args.small else 3)
+    args.out = args.out or RESULTS / ("fusion_gpu_small.json" if args.small else "fusion_gpu.json")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    began = time.monotonic()
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not args.small and device.type != "cuda":
         raise SystemExit("the full-size benchmark needs a CUDA device; use --small on CPU")
-    dtype = torch.float32 if args.small else torch.bfloat16
-    adapter = build_adapter(args.small, device, dtype)
+    if args.backends is None:
+        usable = device.type == "cuda" and flashinfer_available()
+        args.backends = ["flashinfer", "torch"] if usable else ["torch"]
+    dtype = torch.float32 if args.small else getattr(torch, args.dtype)
     report: dict[str, Any] = {
         "benchmark": "fusion_gpu",
+        "command": " ".join(["python -m benchmarks.fusion_gpu", *(argv or sys.argv[1:])]),
         "small": args.small,
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else platform.machine(),
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
-        "model": {
-            "layers": adapter.shape.num_layers,
-            "q_heads": adapter.shape.num_q_heads,
-            "kv_heads": adapter.shape.num_kv_heads,
-            "head_dim": adapter.shape.head_dim,
-        },
-        "ratio": args.ratio,
+        "flashinfer": _flashinfer_version(),
+        "backends": args.backends,
+        "selectors": args.selectors,
+        "ratios": args.ratios,
         "sink_tokens": args.sink_tokens,
         "repeats": args.repeats,
-        "results": [],
+        "models": [],
     }
-    for total in tqdm(args.lengths, desc="lengths", unit="length", disable=None):
-        row = run_length(adapter, total, args, device)
-        report["results"].append(row)
-        fused = ", ".join(
-            f"{name} {r['ttft_s'] * 1e3:.1f} ms (x{r['speedup_vs_full']:.2f})"
-            for name, r in row["fused"].items()
-        )
-        tqdm.write(f"{total} tokens: full {row['full_s'] * 1e3:.1f} ms; {fused}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for name in args.models:
+        adapter = build_adapter(name, device, dtype)
+        shape = adapter.shape
+        model: dict[str, Any] = {
+            "name": name,
+            "layers": shape.num_layers,
+            "q_heads": shape.num_q_heads,
+            "kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim,
+            "results": [],
+            "skipped_lengths": [],
+        }
+        report["models"].append(model)
+        if "flashinfer" in args.backends:
+            model["attention_check"] = attention_check(adapter, device)
+            tqdm.write(f"{name} attention check: {json.dumps(model['attention_check'])}")
+        for total in args.lengths:
+            if args.budget_s is not None and time.monotonic() - began > args.budget_s:
+                model["skipped_lengths"].append(total)
+                continue
+            row = run_length(adapter, total, args, device)
+            model["results"].append(row)
+            _write(report, args.out)
+            tqdm.write(f"{name} {total} tokens: {_summary(row)}")
+        del adapter
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report["wall_s"] = time.monotonic() - began
+    _write(report, args.out)
     print(f"wrote {args.out}")
     return report
+
+
+def _summary(row: dict[str, Any]) -> str:
+    parts = [f"full {b} {r['ttft_s'] * 1e3:.1f} ms" for b, r in row["full"].items()]
+    for key, by_backend in row["fused"].items():
+        for backend, r in by_backend.items():
+            parts.append(f"{key} {backend} {r['ttft_s'] * 1e3:.1f} ms (x{r['ttft_vs_full']:.2f})")
+    host = row.get("host_loads")
+    if host:
+        parts.append(f"host hidden share {host['hidden_share']}")
+    return "; ".join(parts)
+
+
+def _flashinfer_version() -> str | None:
+    if not flashinfer_available():
+        return None
+    import flashinfer
+
+    return str(flashinfer.__version__)
+
+
+def _write(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -219,7 +219,10 @@ def _flashinfer_attention(
 ) -> torch.Tensor:
     import flashinfer
 
-    key, value = key.to(query.dtype), value.to(query.dtype)
+    # FlashInfer reads [n, H, D] rows by stride; the executor's splits and gathers can hand it
+    # views whose heads are not packed.
+    query = query.contiguous()
+    key, value = key.to(query.dtype).contiguous(), value.to(query.dtype).contiguous()
     if query.shape[0] == key.shape[0] and _is_arange(query_positions) and _is_arange(key_positions):
         return flashinfer.single_prefill_with_kv_cache(
             query, key, value, causal=True, sm_scale=scale

@@ -70,6 +70,11 @@ class LayerLoader:
                 pending[1].cancel()
             result = chunk.rows(layer, rows.cpu())
         self.wait_s += time.perf_counter() - began
+        for tensor in result:
+            if tensor.is_cuda:
+                # Copied on the chunk's copy stream, used on this one: the allocator must not
+                # hand the memory back to the copy stream while this stream still reads it.
+                tensor.record_stream(torch.cuda.current_stream(tensor.device))
         if self.retain:
             self._kept[layer, span] = (rows.cpu(), result)
         return result
