@@ -1,17 +1,15 @@
 """The fusion core on a GPU: FlashInfer vs torch attention, fused vs full prefill, host loads.
 
-Random-weight models of real sizes (fp16, `--dtype`): Llama-3-8B's and Qwen2.5-7B's shapes. Each request is
-a short system prefix, chunks precomputed beforehand (not timed) and a question, `--lengths`
-tokens in all. Per model and length:
+Random-weight models of real sizes (fp16, `--dtype`): Llama-3-8B's and Qwen2.5-7B's shapes
+(`benchmarks/gpu_workload.py`). Each request is a short system prefix, chunks precomputed
+beforehand (not timed) and a question, `--lengths` tokens in all. Per model and length:
 - the full prefill through the executor with each attention backend, and the model's own
   forward, and how far the backends' logits are apart (r = 1);
 - the fused prefill at each `--ratios` with the server's default selector (question attention,
   8 sink tokens; r = 0.3 is "auto"'s start for a model without a measured floor), each backend:
   time, speed-up over the full prefill, logits against the full prefill;
-- with the chunks in pinned host memory (`fusion.host_chunk`), at `--host-ratio`: the same fused
-  prefill with the chunks on the GPU, read at the point of use on the compute stream (serial),
-  read a layer ahead on a copy stream (overlapped, dense and sparse copies), and as plain host
-  tensors (the core before the host chunk); the share of the serial transfer the overlap hides.
+- at `--host-lengths`, the chunks in pinned host memory read four ways against the GPU
+  (`benchmarks/host_chunk_loads.py`): the share of the transfer reading ahead hides;
 Once per model: the attention kernel alone, FlashInfer vs torch, fp16, causal and masked.
 
 TTFT = median over `--repeats` of one prefill to the last token's logits, after a warm-up. JSON
@@ -21,6 +19,7 @@ in benchmarks/results/ after every length (a run cut short keeps what it measure
 
     python -m benchmarks.fusion_gpu                      # GPU -> fusion_gpu.json
     python -m benchmarks.fusion_gpu --small --device cpu # -> fusion_gpu_small.json
+    python -m benchmarks.fusion_gpu --replot benchmarks/results/fusion_gpu_h200.json
 """
 
 from __future__ import annotations
@@ -28,84 +27,30 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from benchmarks.gpu_workload import (
+    build_adapter,
+    build_request,
+    median_seconds,
+    profile_call,
+)
+from benchmarks.host_chunk_loads import host_loads
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.attention import flashinfer_available, position_causal_attention
-from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.fusion.executor import FusionJob, fused_prefill, fused_prefill_batch
-from sglang_hicache_ext.fusion.host_chunk import HostChunk
-from sglang_hicache_ext.fusion.precompute import precompute_chunk
-from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
+from sglang_hicache_ext.fusion.executor import fused_prefill
+from sglang_hicache_ext.fusion.request import ChunkSegment
 from sglang_hicache_ext.fusion.selectors import make_selector
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
-SYSTEM_TOKENS = 16
-QUESTION_TOKENS = 32
 # fp16 tolerance of the attention check: FlashInfer's own tests compare with torch at 1e-3.
 FP16_TOLERANCE = 1e-3
-
-
-def build_adapter(name: str, device: torch.device, dtype: torch.dtype) -> HFCausalLMAdapter:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if name == "tiny_llama":
-        from scripts.prepare_models import tiny_config
-
-        # The tests' tiny Llama: four layers, so selectors with a check layer still fuse after it.
-        config = tiny_config("llama", vocab_size=1024)
-    else:
-        architecture = json.loads((MODEL_CONFIGS / f"{name}.json").read_text())
-        architecture.pop("_comment")
-        config = AutoConfig.for_model(architecture.pop("model_type"), **architecture)
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        # Built on the device in the target dtype: an 8B fp32 copy on the host would not fit.
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    return HFCausalLMAdapter(model)
-
-
-def build_request(
-    adapter: HFCausalLMAdapter, total: int, chunk_tokens: int
-) -> tuple[list[Segment], torch.Tensor]:
-    """System prefix + precomputed chunks + question, `total` tokens in all."""
-    generator = torch.Generator().manual_seed(total)
-    vocab = adapter.model.config.vocab_size
-    ids = torch.randint(0, vocab, (total,), generator=generator).tolist()
-    body_end = total - QUESTION_TOKENS
-    segments: list[Segment] = [TextSegment(tuple(ids[:SYSTEM_TOKENS]))]
-    for start in range(SYSTEM_TOKENS, body_end, chunk_tokens):
-        piece = ids[start : min(start + chunk_tokens, body_end)]
-        segments.append(ChunkSegment(precompute_chunk(adapter, piece)))
-    segments.append(TextSegment(tuple(ids[body_end:]), question=True))
-    return segments, torch.tensor(ids)
-
-
-def median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up: kernels, JIT, allocator
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def logit_gap(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
@@ -155,70 +100,6 @@ def attention_check(adapter: HFCausalLMAdapter, device: torch.device) -> dict[st
     return report
 
 
-def host_loads(
-    adapter: HFCausalLMAdapter,
-    segments: list[Segment],
-    selector_name: str,
-    ratio: float,
-    args: argparse.Namespace,
-    device: torch.device,
-    backend: str,
-) -> dict[str, Any]:
-    """The fused prefill with its chunks on the GPU vs in pinned host memory, read four ways."""
-    selector = make_selector(selector_name, ratio, sink_tokens=args.sink_tokens)
-    pinned = {}
-    for segment in segments:
-        if isinstance(segment, ChunkSegment):
-            chunk = segment.chunk
-            assert isinstance(chunk, PrecomputedChunk)
-            pinned[id(segment)] = HostChunk.hold(chunk, device).chunk
-
-    def with_chunks(make: Callable[[PrecomputedChunk], Any]) -> list[Segment]:
-        return [
-            replace(s, chunk=make(pinned[id(s)])) if isinstance(s, ChunkSegment) else s
-            for s in segments
-        ]
-
-    variants = {
-        "gpu": (segments, True),
-        "host_serial": (with_chunks(lambda c: HostChunk(c, device, side_stream=False)), False),
-        "host_overlapped": (with_chunks(lambda c: HostChunk(c, device)), True),
-        "host_overlapped_sparse": (with_chunks(lambda c: HostChunk(c, device, 1.0)), True),
-        "host_plain": (with_chunks(lambda c: c), True),  # the core before `fusion.host_chunk`
-    }
-    reference = None
-    row: dict[str, Any] = {"ratio": ratio, "selector": selector_name, "backend": backend}
-    for name, (variant, overlap) in variants.items():
-        job = FusionJob(variant, selector, overlap_loads=overlap)
-
-        def run(job: FusionJob = job) -> Any:
-            return fused_prefill_batch(adapter, [job], attention_backend=backend)[0]
-
-        result = run()
-        reference = result.logits if reference is None else reference
-        row[name] = {
-            "ttft_s": median_seconds(run, args.repeats, device),
-            "load_wait_s": result.load_wait_s,
-            "identical_to_gpu": bool(torch.equal(result.logits, reference)),
-        }
-    exposed = row["host_overlapped"]["ttft_s"] - row["gpu"]["ttft_s"]
-    serial = row["host_serial"]["ttft_s"] - row["gpu"]["ttft_s"]
-    row["serial_transfer_s"] = serial
-    row["exposed_transfer_s"] = exposed
-    # On the CPU there is no bus to hide: the share means nothing there.
-    row["hidden_share"] = 1 - exposed / serial if serial > 0 and device.type == "cuda" else None
-    chunk_bytes = sum(c.nbytes for c in pinned.values())
-    row["chunk_bytes"] = chunk_bytes
-    # Host -> GPU bandwidth of a plain copy of every chunk's K/V (pinned), for the projection.
-    if device.type == "cuda":
-        tensors = [t for c in pinned.values() for t in (*c.keys, *c.values)]
-        seconds = median_seconds(
-            lambda: [t.to(device, non_blocking=True) for t in tensors], args.repeats, device
-        )
-        row["h2d_gb_per_s"] = chunk_bytes / seconds / 1e9
-    return row
-
-
 def run_length(
     adapter: HFCausalLMAdapter, total: int, args: argparse.Namespace, device: torch.device
 ) -> dict[str, Any]:
@@ -258,6 +139,15 @@ def run_length(
                     args.repeats,
                     device,
                 )
+                if args.profile_length == total and ratio == args.host_ratio:
+                    profile_call(
+                        lambda s=selector, b=backend: fused_prefill(
+                            adapter, segments, s, attention_backend=b
+                        ),
+                        device,
+                        args.out,
+                        f"{key} {backend}, {total} tokens",
+                    )
                 row["fused"][key][backend] = {
                     "ttft_s": seconds,
                     "ttft_vs_full": seconds / row["full"][backend]["ttft_s"],
@@ -294,11 +184,6 @@ def _hf_forward(
         return None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny 4-layer fp32 model, 512 tokens")
@@ -313,9 +198,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-ratio", type=float, default=0.15)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=None, help="no new length after this")
+    parser.add_argument("--profile-length", type=int, default=None, help="profile one call")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--replot", type=Path, default=None, help="plot a results JSON again")
     args = parser.parse_args(argv)
     args.models = args.models or (["tiny_llama"] if args.small else ["llama3_8b", "qwen2_5_7b"])
     args.lengths = args.lengths or ([512] if args.small else [4096, 16384, 32768])
@@ -329,13 +216,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     began = time.monotonic()
     args = parse_args(argv)
+    if args.replot:
+        report = json.loads(args.replot.read_text())
+        plot(report, args.replot.with_suffix(".png"))
+        return report
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not args.small and device.type != "cuda":
         raise SystemExit("the full-size benchmark needs a CUDA device; use --small on CPU")
     if args.backends is None:
         usable = device.type == "cuda" and flashinfer_available()
         args.backends = ["flashinfer", "torch"] if usable else ["torch"]
-    dtype = torch.float32 if args.small else getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype or ("float32" if args.small else "float16"))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".profile.txt").unlink(missing_ok=True)  # this run's profiles only
     report: dict[str, Any] = {
         "benchmark": "fusion_gpu",
         "command": " ".join(["python -m benchmarks.fusion_gpu", *(argv or sys.argv[1:])]),
@@ -382,8 +275,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.empty_cache()
     report["wall_s"] = time.monotonic() - began
     _write(report, args.out)
-    print(f"wrote {args.out}")
+    plot(report, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and its plot")
     return report
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    """Fused TTFT ÷ full prefill by length (each model, ratio and backend), and the fused
+    prefill's TTFT with its chunks on the GPU vs in host memory read four ways."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    for model in report["models"]:
+        rows = sorted(model["results"], key=lambda r: r["tokens"])
+        for key in rows[0]["fused"] if rows else ():
+            for backend in rows[0]["fused"][key]:
+                xs = [r["tokens"] for r in rows]
+                ys = [r["fused"][key][backend]["ttft_vs_full"] for r in rows]
+                left.plot(xs, ys, marker="o", label=f"{model['name']} {key} ({backend})")
+    left.axhline(1.0, color="grey", linewidth=1)
+    left.axhline(0.25, color="grey", linestyle=":", linewidth=1)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("prompt tokens")
+    left.set_ylabel("fused TTFT ÷ full prefill")
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+    variants = ("gpu", "host_serial", "host_overlapped", "host_overlapped_sparse", "host_plain")
+    hosts = [
+        (f"{m['name']} {r['tokens']}", r["host_loads"])
+        for m in report["models"]
+        for r in sorted(m["results"], key=lambda r: r["tokens"])
+        if r.get("host_loads")
+    ]
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        xs = [j + i * width for j in range(len(hosts))]
+        right.bar(xs, [h[variant]["ttft_s"] * 1e3 for _, h in hosts], width, label=variant)
+    right.set_xticks([j + 0.4 - width / 2 for j in range(len(hosts))])
+    right.set_xticklabels([name for name, _ in hosts], fontsize=7)
+    right.set_ylabel("fused TTFT (ms), chunks where")
+    right.legend(fontsize=7)
+    right.grid(alpha=0.3, axis="y")
+    figure.suptitle(f"{report['device']}, {report['dtype']}, {'/'.join(report['backends'])}")
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
 
 
 def _summary(row: dict[str, Any]) -> str:

@@ -49,7 +49,7 @@ def position_causal_attention(
     if new_tokens_last and prefix_len == 0:
         # Plain causal self-attention: let SDPA pick its fused causal kernel.
         out = scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    elif int(query_positions.min()) >= int(key_positions.max()):
+    elif bool(query_positions.min() >= key_positions.max()):
         # Every query sees every key (decode, or a last-token extend): no mask to build.
         return _attend_all(query, key, value, scale)
     elif new_tokens_last and _cpu_flash_with_lse is not None and q.device.type == "cpu":
@@ -145,6 +145,10 @@ def _attend_all(
 
 def _is_arange(positions: torch.Tensor, start: int = 0) -> bool:
     n = positions.shape[0]
+    if positions.is_cuda:
+        # One read-back instead of three: each stalls the GPU's queue.
+        expected = torch.arange(start, start + n, device=positions.device)
+        return n > 0 and bool(torch.equal(positions, expected.to(positions.dtype)))
     return (
         n > 0
         and bool(positions[0] == start)

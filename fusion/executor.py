@@ -289,10 +289,14 @@ def _load_reused(
     """Gather only the planned rows (a sparse load when chunks live in another tier)."""
     device, dtype = adapter.device, adapter.dtype
     keys, values = [], []
+    on_device = state.on_device(plan)
     for index, (span, rows) in enumerate(zip(state.layout.spans, plan, strict=True)):
         if rows.numel() == 0:
             continue
-        stored_k, stored_v = state.loader.get(layer, index, span.chunk, rows)
+        # A chunk in memory is indexed where it lives (the GPU on a GPU server); a slower tier
+        # reads host-side indices on its own thread.
+        where = on_device[index] if span.chunk.in_memory else rows
+        stored_k, stored_v = state.loader.get(layer, index, span.chunk, where)
         keys.append(stored_k.to(device=device, dtype=dtype))
         values.append(stored_v.to(device=device, dtype=dtype))
     if not keys:

@@ -103,6 +103,12 @@ class RequestState:
         num_tokens = self.layout.num_tokens
         self.device = adapter.device
         self.positions = torch.arange(num_tokens, device=self.device)
+        # Index tensors the layers use again and again, on the device once: an index copied
+        # from host memory waits for the GPU's queue to drain, at every layer and chunk.
+        self._every_row = [torch.arange(span.length) for span in self.layout.spans]
+        self._on_device: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._is_question = self.layout.is_question.to(self.device)
+        self._chunk_positions = self.layout.chunk_positions.to(self.device)
         always = ~self.layout.is_chunk
         always[: self.prefix_len] = False
         # The next-token logits come from the last token, so it is computed even inside a chunk.
@@ -141,7 +147,7 @@ class RequestState:
 
     def apply_scores(self, question_attention: torch.Tensor) -> None:
         """Select from a scoring pass's question attention [N_chunk] (before layer 0)."""
-        ctx = SelectionContext(self.layout, question_attention=question_attention)
+        ctx = SelectionContext(self.layout, question_attention=question_attention.cpu())
         self.selected = self.selector.select(ctx)
         if self.narrow_layer is None:
             self._set_active(_with_selected(self.always, self.selected))
@@ -151,10 +157,10 @@ class RequestState:
     ) -> None:
         """Add the softmax attention of this layer's question queries (post-RoPE, [Q, Hq, D]
         among the active rows) to each chunk token, summed over heads and question tokens."""
-        question = self.layout.is_question.to(self.device)[self.active_idx]
+        question = self._is_question[self.active_idx]
         logits = question_logits(queries[question], self.q_pos[question], keys, scale)
-        chunk = self.layout.chunk_positions.to(logits.device)
-        scores = logits.softmax(dim=-1).sum(dim=(0, 1))[chunk].cpu()
+        # Summed on the device; `apply_scores` reads it back once, after the last layer.
+        scores = logits.softmax(dim=-1).sum(dim=(0, 1))[self._chunk_positions.to(logits.device)]
         self.question_attention = (
             scores if self.question_attention is None else self.question_attention + scores
         )
@@ -194,7 +200,18 @@ class RequestState:
         return positions
 
     def every_row(self) -> list[torch.Tensor]:
-        return [torch.arange(span.length) for span in self.layout.spans]
+        return self._every_row
+
+    def on_device(self, plan: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`plan`'s row indices on the request's device, copied once per plan (the request's
+        plan and `every_row` are the same lists at every layer)."""
+        if self.device.type == "cpu":
+            return plan
+        cached = self._on_device.get(id(plan))
+        if cached is None or cached[0] is not plan:
+            moved = [rows.to(self.device, non_blocking=True) for rows in plan]
+            cached = self._on_device[id(plan)] = (plan, moved)
+        return cached[1]
 
     def load_plan(self, layer: int) -> list[torch.Tensor] | None:
         """Per chunk occurrence, the stored rows `layer` reads (None: not known yet). Up to the

@@ -30,6 +30,7 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 KEPT_DATA = (
     "flashinfer/data/include/",
     "flashinfer/data/cutlass/",
+    "flashinfer/data/cccl/",  # FlashInfer needs a newer CCCL than CUDA 13.0 ships
     "flashinfer/data/spdlog/",
 )
 
