@@ -205,6 +205,9 @@ def main() -> int:
     parser.add_argument("--min-tokens", type=int, default=3000)
     parser.add_argument("--model", choices=("qwen", "smollm2"), default="qwen")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--append", action="store_true", help="add these targets' runs to an existing --out"
+    )
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -222,6 +225,12 @@ def main() -> int:
         "start": args.start,
         "runs": [],
     }
+    if args.append and out.exists():
+        # Targets run in separate sessions: one report, each run with the command that made it.
+        report = json.loads(out.read_text())
+        for run in report["runs"]:
+            run.setdefault("command", report["command"])
+        report["command"] = " | ".join(dict.fromkeys([report["command"], " ".join(sys.argv)]))
     for target in (float(t) for t in args.targets.split(",")):
         workdir = Path(tempfile.mkdtemp(prefix="fidelity-loop-"))
         table = workdir / "ratios.json"
@@ -258,7 +267,14 @@ def main() -> int:
                     args.min_tokens,
                     stop,
                 )
-        report["runs"].append({"summary": summary, "ttft_at_settled": ttft, "steps": steps})
+        report["runs"].append(
+            {
+                "summary": summary,
+                "ttft_at_settled": ttft,
+                "command": " ".join(sys.argv),
+                "steps": steps,
+            }
+        )
         out.write_text(json.dumps(report, indent=1) + "\n")
         print(json.dumps({"summary": summary, "ttft_at_settled": ttft}, indent=1), flush=True)
     plot(report, out.with_suffix(".png"))

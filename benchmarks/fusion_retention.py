@@ -138,6 +138,8 @@ def measure(
         "kl": teacher_forced_kl(full, run),
         "first_kl": kl_divergence(full.first_logits, run.first_logits),
         "prefill_s": run.prefill_s,
+        # Read inside the fused prefill, for the per-request guard's study (issue 41).
+        "signals": run.signals,
     }
 
 

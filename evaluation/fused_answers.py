@@ -43,6 +43,8 @@ class MethodRun(NamedTuple):
     forced_logits: tuple[torch.Tensor, ...]
     prefill_s: float
     caches: tuple[KVCache, ...] = ()
+    # What the prefill told about its own fidelity (`fusion.fidelity_signals`).
+    signals: dict[str, float] | None = None
 
 
 def run_method(
@@ -72,6 +74,7 @@ def run_method(
         decode_window=window,
         context_temperature=temperature,
         context_scale=scale,
+        record_signals=True,
     )
     jobs = [job] if batch_with is None else [job, FusionJob(batch_with, selector)]
     prefill = fused_prefill_batch(adapter, jobs)[0]
@@ -85,7 +88,9 @@ def run_method(
     answer, logits, caches = _greedy(adapter, kv, prefill.logits, stop_ids, max_tokens)
     if reference is None:
         kept = tuple(caches) if keep_caches else ()
-        return MethodRun(answer, prefill.logits, tuple(logits[: len(answer)]), prefill_s, kept)
+        return MethodRun(
+            answer, prefill.logits, tuple(logits[: len(answer)]), prefill_s, kept, prefill.signals
+        )
     # logits[i] predicts answer[i] after prompt + answer[:i]: along the reference as long as the
     # two answers agree on the tokens before i.
     forced = list(logits[: min(_common_prefix(answer, reference) + 1, len(reference))])
@@ -93,7 +98,7 @@ def run_method(
     for index in range(len(forced), len(reference)):
         step_logits, kv = decode_step(adapter, kv, int(reference[index - 1]))
         forced.append(step_logits)
-    return MethodRun(answer, prefill.logits, tuple(forced), prefill_s)
+    return MethodRun(answer, prefill.logits, tuple(forced), prefill_s, signals=prefill.signals)
 
 
 def greedy_along(adapter: ModelAdapter, full: MethodRun, served: Sequence[int]) -> list[int]:

@@ -19,6 +19,12 @@ import torch
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.attention import attend, tempered_context_attention
 from sglang_hicache_ext.fusion.decode_eviction import window_scores
+from sglang_hicache_ext.fusion.fidelity_signals import (
+    SIGNAL_LAYERS,
+    first_token_signals,
+    prompt_shape,
+    question_mass,
+)
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.request_state import FusionJob, KVCache, RequestState
 from sglang_hicache_ext.fusion.selectors import (
@@ -53,6 +59,8 @@ class FusionResult:
     # [L, Hkv, N]: what each token received from the last prompt queries (job.decode_window),
     # the scores a decode-time eviction ranks by (`fusion.decode_eviction`).
     window_scores: torch.Tensor | None = None
+    # With job.record_signals: what the prefill tells about its own fidelity (`fidelity_signals`).
+    signals: dict[str, float] | None = None
 
 
 @torch.inference_mode()
@@ -119,6 +127,7 @@ def _scoring_pass(
                 return_kv=False,
                 decode_window=0,
                 record_layers=state.scoring_layers,
+                record_signals=False,
             ),
             # Rows of slow-tier chunks read here serve the prefill too (read once, not twice).
             loader=state.loader,
@@ -140,6 +149,11 @@ def _scoring_pass(
     for state, scoring in zip(states, passes, strict=True):
         assert scoring.question_attention is not None
         state.apply_scores(scoring.question_attention)
+        if state.job.record_signals:
+            total = float(scoring.question_rows)
+            state.signals.update(
+                question_mass(scoring.question_attention, state.layout.spans, total)
+            )
 
 
 def _run_layers(
@@ -160,6 +174,13 @@ def _run_layers(
             prefix_tokens=state.prefix_len,
             load_wait_s=state.loader.wait_s,
             window_scores=torch.stack(state.window_scores) if state.window_scores else None,
+            signals={
+                **prompt_shape(state.layout),
+                **state.signals,
+                **first_token_signals(logits[i]),
+            }
+            if state.job.record_signals
+            else None,
         )
         for i, (state, final) in enumerate(zip(states, finals, strict=True))
     ]
@@ -176,9 +197,13 @@ def _walk_layers(
             if layer < last_layer:  # a scoring pass stops early: read nothing past it
                 state.prefetch(layer + 1)
         q, k, v = adapter.attention_inputs(layer, hidden)
+        sizes = [state.num_active for state in states]
+        if layer in SIGNAL_LAYERS:
+            for state, k_rows, v_rows in zip(states, k.split(sizes), v.split(sizes), strict=True):
+                if state.job.record_signals:
+                    state.note_kv_deviation(layer, k_rows, v_rows)
         q_pos = _cat([state.q_pos for state in states])
         q, k = adapter.rotate(q, q_pos), adapter.rotate(k, q_pos)
-        sizes = [state.num_active for state in states]
         kept, attended = [], []
         for state, *rows in zip(
             states, hidden.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes), strict=True

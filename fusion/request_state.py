@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
+from sglang_hicache_ext.fusion.fidelity_signals import chunk_rows_deviation
 from sglang_hicache_ext.fusion.layer_loader import LayerLoader
 from sglang_hicache_ext.fusion.request import (
     RequestLayout,
@@ -76,6 +77,8 @@ class FusionJob:
     context_scale: float = 1.0
     # Layers at which to record the question's attention to every chunk token (a scoring pass).
     record_layers: tuple[int, ...] = ()
+    # Record what the prefill can tell about its own fidelity (`fusion.fidelity_signals`).
+    record_signals: bool = False
 
     def __post_init__(self) -> None:
         if not self.context_temperature > 0 or not self.context_scale > 0:
@@ -124,6 +127,8 @@ class RequestState:
         self.narrow_layer = None if narrow < 0 else narrow
         self.scoring_layers = self.selector.scoring_layers(adapter.shape.num_layers)
         self.question_attention: torch.Tensor | None = None
+        self.question_rows = 0  # softmax rows summed into question_attention (heads x queries)
+        self.signals: dict[str, float] = {}
         self.selected = self.layout.chunk_positions[:0]
         self.computed: list[int] = []
         self.keys: list[torch.Tensor] = []
@@ -159,6 +164,7 @@ class RequestState:
         among the active rows) to each chunk token, summed over heads and question tokens."""
         question = self._is_question[self.active_idx]
         logits = question_logits(queries[question], self.q_pos[question], keys, scale)
+        self.question_rows += logits.shape[0] * logits.shape[1]
         # Summed on the device; `apply_scores` reads it back once, after the last layer.
         scores = logits.softmax(dim=-1).sum(dim=(0, 1))[self._chunk_positions.to(logits.device)]
         self.question_attention = (
@@ -198,6 +204,14 @@ class RequestState:
         if plan is self.plan:
             self._plan_positions = positions
         return positions
+
+    def note_kv_deviation(self, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
+        """Record how far this layer's pre-RoPE K/V of computed chunk tokens (rows of the
+        active tokens) lie from their stored rows (`fidelity_signals`)."""
+        positions = self.active_idx.cpu()
+        deviation = chunk_rows_deviation(self.layout.spans, positions, fresh_k, fresh_v, layer)
+        if deviation is not None:
+            self.signals[f"kv_deviation_l{layer}"] = deviation
 
     def every_row(self) -> list[torch.Tensor]:
         return self._every_row
