@@ -139,7 +139,8 @@ def run_length(
                     args.repeats,
                     device,
                 )
-                if args.profile_length == total and ratio == args.host_ratio:
+                profiled = ratio == args.host_ratio and backend == args.backends[0]
+                if args.profile_length == total and profiled:
                     profile_call(
                         lambda s=selector, b=backend: fused_prefill(
                             adapter, segments, s, attention_backend=b

@@ -67,6 +67,9 @@ def host_loads(
 
         result = run()
         reference = result.logits if reference is None else reference
+        if not torch.equal(result.logits, reference):
+            # Where the chunks live must not change a bit: a difference is a copy race.
+            raise RuntimeError(f"{name}: logits differ from the GPU-resident chunks'")
         if args.profile_length == len(token_ids(segments)) and name == "host_overlapped":
             profile_call(run, device, args.out, f"{selector_name}@{ratio} {backend}, host chunks")
         row[name] = {

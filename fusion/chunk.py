@@ -50,6 +50,12 @@ class StoredChunk(Protocol):
         """False when `rows` reads from a slower tier (worth loading ahead of the compute)."""
         ...
 
+    @property
+    def index_device(self) -> torch.device:
+        """Where `rows` indexes: row indices handed over there need no copy (an index copied
+        between host and GPU at every layer stalls the GPU's queue)."""
+        ...
+
     def check_compatible(self, shape: ModelShape) -> None: ...
     def rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE K and V of `rows` (sorted local token indices) at `layer`."""
@@ -113,6 +119,10 @@ class PrecomputedChunk:
     @property
     def in_memory(self) -> bool:
         return True
+
+    @property
+    def index_device(self) -> torch.device:
+        return self.keys[0].device
 
     def check_compatible(self, shape: ModelShape) -> None:
         """Raise ValueError unless this chunk's KV geometry matches `shape`."""

@@ -314,13 +314,16 @@ def _load_reused(
     """Gather only the planned rows (a sparse load when chunks live in another tier)."""
     device, dtype = adapter.device, adapter.dtype
     keys, values = [], []
-    on_device = state.on_device(plan)
+    on_device: list[torch.Tensor] | None = None
     for index, (span, rows) in enumerate(zip(state.layout.spans, plan, strict=True)):
         if rows.numel() == 0:
             continue
-        # A chunk in memory is indexed where it lives (the GPU on a GPU server); a slower tier
-        # reads host-side indices on its own thread.
-        where = on_device[index] if span.chunk.in_memory else rows
+        # Each chunk gets its row indices where it indexes: a chunk held on the GPU the plan's
+        # copy there (made once per plan), one in host memory or on disk the host-side plan.
+        where = rows
+        if span.chunk.index_device == device and device.type != "cpu":
+            on_device = state.on_device(plan) if on_device is None else on_device
+            where = on_device[index]
         stored_k, stored_v = state.loader.get(layer, index, span.chunk, where)
         keys.append(stored_k.to(device=device, dtype=dtype))
         values.append(stored_v.to(device=device, dtype=dtype))

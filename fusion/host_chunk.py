@@ -39,8 +39,8 @@ class HostChunk:
 
     `device` may be the CPU (no pinning, no stream): the same reads, for machines without a GPU
     and for tests. `dense_above`: the share of rows above which a layer is copied whole.
-    `side_stream`: False copies on the caller's stream, behind its compute (the serial baseline
-    the overlap is measured against, with the job's `overlap_loads` off).
+    `side_stream`: False copies on the caller's stream, behind its compute, at the point of use
+    (the serial baseline the overlap is measured against; such a chunk is never read ahead).
     """
 
     chunk: PrecomputedChunk
@@ -58,6 +58,9 @@ class HostChunk:
     ) -> HostChunk:
         """Move `chunk`'s K/V to host memory (pinned when `device` is a GPU)."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # The reader thread's current GPU is GPU 0 whatever the caller's is: name it.
+            device = torch.device("cuda", torch.cuda.current_device())
         if not 0.0 <= dense_above <= 1.0:
             raise ValueError(f"dense_above must be in [0, 1], got {dense_above}")
         host = chunk.to("cpu")
@@ -97,7 +100,13 @@ class HostChunk:
 
     @property
     def in_memory(self) -> bool:
-        return False  # a read crosses the bus: worth starting a layer ahead
+        # A read crosses the bus: worth starting a layer ahead, on the copy stream. Without it
+        # the copy must run on the compute thread's stream, so the loader must not read ahead.
+        return not self.side_stream
+
+    @property
+    def index_device(self) -> torch.device:
+        return torch.device("cpu")  # rows are gathered or picked by host-side indices
 
     def check_compatible(self, shape: ModelShape) -> None:
         self.chunk.check_compatible(shape)

@@ -76,6 +76,10 @@ class StreamedChunk:
         return False
 
     @property
+    def index_device(self) -> torch.device:
+        return torch.device("cpu")  # rows are read from the file by host-side indices
+
+    @property
     def from_disk(self) -> bool:
         """False for a compressed chunk decoded from host memory (no I/O)."""
         return isinstance(self.reader, ChunkReader)
