@@ -9,14 +9,16 @@ outside the 200 evaluation questions (seed 2026) and the dev questions (seed 7),
 paragraphs registered after the chat prefix before it is asked (the harness's prompt), greedy
 answers of at most 16 tokens, one at a time, each check run before the next request (the check
 waits for the server to be idle). Per request: the ratio it was fused at and its check's token
-agreement. Settled: the ratio after `--settle` requests; held: the mean token agreement of the
-requests after it. Then on the same server, with the ratio fixed at the settled value, fused vs
+agreement. Settled: the ratio held after its last move, if that came by request `--settle`;
+held: the mean token agreement of the requests fused at it. Then on the same server, at it, fused vs
 normal TTFT on `--ttft-prompts` prompts of >= `--min-tokens` tokens (padded with paragraphs of
 other questions, all registered), medians.
 
     python -m benchmarks.fidelity_target_loop --targets 0.85,0.95 --requests 150
 -> benchmarks/results/fidelity_target_loop_qwen.json, .png
 
+`--append` adds targets run in another session to the report; `--append --ttft-at R` measures
+only the TTFT at ratio R for the named targets' runs (the same prompts: keep `--requests`).
 `--model smollm2` runs the same loop on SmolLM2-135M (about 8x faster on this CPU, answers
 that say little: its figures show the controller at work, not Qwen2.5's fidelity).
 """
@@ -142,19 +144,25 @@ def ttft_at(
     }
 
 
-def summarise(steps: list[dict[str, Any]], target: float, settle: int) -> dict[str, Any]:
-    settled = steps[settle - 1]["recompute_ratio"] if len(steps) >= settle else None
-    after = [s["token_agreement"] for s in steps[settle:] if s["token_agreement"] is not None]
-    ratios_after = sorted({s["recompute_ratio"] for s in steps[settle:]})
-    first_at = next((i + 1 for i, s in enumerate(steps) if s["recompute_ratio"] == settled), None)
+def summarise(steps: list[dict[str, Any]], target: float, settle_by: int) -> dict[str, Any]:
+    """Settled: the ratio held from the request after its last move to the end of the run, if
+    that move came by request `settle_by`; held: the mean token agreement of the requests fused
+    at it (the request that first used it on)."""
+    ratios = [round(s["recompute_ratio"], 4) for s in steps]
+    moves = [i for i in range(1, len(ratios)) if ratios[i] != ratios[i - 1]]
+    first = (moves[-1] if moves else 0) + 1  # 1-based request that first used the final ratio
+    settled = ratios[-1] if steps and first <= settle_by else None
+    after = [s["token_agreement"] for s in steps[first - 1 :] if s["token_agreement"] is not None]
+    held = statistics.fmean(after) if after and settled is not None else None
     return {
         "target": target,
-        "start_ratio": steps[0]["recompute_ratio"] if steps else None,
+        "start_ratio": ratios[0] if steps else None,
+        "moves": [{"request": i + 1, "ratio": ratios[i]} for i in moves],
         "settled_ratio": settled,
-        "settled_from_request": first_at,
-        "ratios_after_settle": ratios_after,
-        "agreement_after_settle": statistics.fmean(after) if after else None,
-        "within_0_05": bool(after) and abs(statistics.fmean(after) - target) <= 0.05,
+        "settled_from_request": first if settled is not None else None,
+        "requests_after_settle": len(after) if settled is not None else 0,
+        "agreement_after_settle": held,
+        "within_0_05": held is not None and abs(held - target) <= 0.05,
         "checked": sum(s["token_agreement"] is not None for s in steps),
     }
 
@@ -199,7 +207,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="0.85,0.95")
     parser.add_argument("--requests", type=int, default=150)
-    parser.add_argument("--settle", type=int, default=100)
+    parser.add_argument("--settle", type=int, default=100, help="settled by this request")
     parser.add_argument("--start", type=float, default=0.15)
     parser.add_argument("--ttft-prompts", type=int, default=5)
     parser.add_argument("--min-tokens", type=int, default=3000)
@@ -207,6 +215,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument(
         "--append", action="store_true", help="add these targets' runs to an existing --out"
+    )
+    parser.add_argument(
+        "--ttft-at",
+        type=float,
+        help="with --append: only measure the TTFT at this ratio for the targets' earlier runs",
     )
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -231,6 +244,10 @@ def main() -> int:
         for run in report["runs"]:
             run.setdefault("command", report["command"])
         report["command"] = " | ".join(dict.fromkeys([report["command"], " ".join(sys.argv)]))
+        for run in report["runs"]:  # read again with this script's definition of settled
+            run["summary"] = summarise(run["steps"], run["summary"]["target"], args.settle)
+    elif args.ttft_at is not None:
+        raise SystemExit("--ttft-at adds to the runs of an existing report: give --append")
     for target in (float(t) for t in args.targets.split(",")):
         workdir = Path(tempfile.mkdtemp(prefix="fidelity-loop-"))
         table = workdir / "ratios.json"
@@ -255,6 +272,22 @@ def main() -> int:
             env={CONFIG_ENV_VAR: str(settings)},
         )
         with running_server(config, log_path=workdir / "server.log"):
+            if args.ttft_at is not None:
+                run = next(r for r in report["runs"] if r["summary"]["target"] == target)
+                if run.get("ttft_at_settled"):
+                    run["ttft_earlier"] = run["ttft_at_settled"]
+                run["ttft_at_settled"] = ttft_at(
+                    config.url,
+                    tokenizer,
+                    examples[args.requests :],
+                    args.ttft_at,
+                    args.min_tokens,
+                    stop,
+                )
+                run["ttft_command"] = " ".join(sys.argv)
+                out.write_text(json.dumps(report, indent=1) + "\n")
+                print(json.dumps(run["ttft_at_settled"], indent=1), flush=True)
+                continue
             steps = run_loop(config.url, tokenizer, examples[: args.requests], stop)
             summary = summarise(steps, target, args.settle)
             ttft = None
