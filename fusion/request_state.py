@@ -166,7 +166,7 @@ class RequestState:
         logits = question_logits(queries[question], self.q_pos[question], keys, scale)
         self.question_rows += logits.shape[0] * logits.shape[1]
         # Summed on the device; `apply_scores` reads it back once, after the last layer.
-        scores = logits.softmax(dim=-1).sum(dim=(0, 1))[self._chunk_positions.to(logits.device)]
+        scores = logits.softmax(dim=-1).sum(dim=(0, 1))[self._chunk_positions]
         self.question_attention = (
             scores if self.question_attention is None else self.question_attention + scores
         )
