@@ -51,9 +51,15 @@ class Answer:
 
 
 def ask(
-    client: openai.OpenAI, model: str, documents: Sequence[str], question: str, **custom: object
+    client: openai.OpenAI,
+    model: str,
+    documents: Sequence[str],
+    question: str,
+    headers: dict[str, str] | None = None,
+    **custom: object,
 ) -> Answer:
-    """One streamed chat request; the last event carries the usage."""
+    """One streamed chat request; the last event carries the usage. `headers`: e.g. the
+    router's routing key (`x-smg-routing-key`)."""
     body = "\n\n".join(f"Document {i + 1}. {doc}" for i, doc in enumerate(documents))
     began = time.perf_counter()
     stream = client.chat.completions.create(
@@ -67,6 +73,7 @@ def ask(
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"custom_params": custom} if custom else None,
+        extra_headers=headers,
     )
     text, ttft, usage = "", None, None
     for event in stream:

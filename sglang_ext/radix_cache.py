@@ -24,16 +24,14 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     registration_id,
     registration_prefix_tokens,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
-    ChunkRegistry,
-    chunk_namespace,
-)
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import shadow_of
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
 from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier
+from sglang_hicache_ext.tiers.chunks.tier import chunk_namespace
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -256,7 +254,10 @@ def _mooncake_tier(settings: ExtensionSettings, ctx: TreeCacheBuildContext) -> C
     model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
     namespace = chunk_namespace(model_name, _kv_identity(ctx.model_config, ctx.server_args))
     logger.info("hicache_ext chunk tier mooncake: master %s", config.master)
-    return ChunkRemoteTier(MooncakeClient(config), namespace)
+    # The catalogue names each chunk's writer by the address clients reach it at.
+    args = ctx.server_args
+    writer = f"{args.host}:{args.port}" if settings.chunk_mooncake_catalog else None
+    return ChunkRemoteTier(MooncakeClient(config), namespace, writer=writer)
 
 
 def _kv_identity(model_config: Any, server_args: Any) -> str:

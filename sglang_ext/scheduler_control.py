@@ -2,9 +2,9 @@
 
 The HTTP process's routes (`server/control_routes.py: control`) send SGLang's dumper-control
 request with a `hicache_ext.` method; this AROUND hook on `Scheduler.handle_dumper_control`
-answers it from the scheduler's state: chunk listings and deletions from the chunk registry,
-the TTL disk tier's status and TTL overrides, and the shadow checks' results for the live
-fidelity window. Every other method is SGLang's own.
+answers it from the scheduler's state: the chunk registry's listings, descriptions, deletions
+and placement (`chunk_control`), the TTL disk tier's status and TTL overrides, and the shadow
+checks' results for the live fidelity window. Every other method is SGLang's own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
 from sglang_hicache_ext.sglang_ext.chunk_fusion.live_fidelity import (
     RECORD_METHOD as FIDELITY_RECORD,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import CONTROL_PREFIX
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import CONTROL_PREFIX, ChunkRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:
         if auto_capture is not None:  # listings and deletions see every piece kept so far
             auto_capture.settle(wait=True)
         output = DumperControlReqOutput(
-            success=True, response=chunks.handle_control(recv_req.method, dict(recv_req.body))
+            success=True, response=chunk_control(chunks, recv_req.method, dict(recv_req.body))
         )
     except (RuntimeError, ValueError) as err:
         output = DumperControlReqOutput(success=False, response=[], error=str(err))
@@ -53,6 +53,27 @@ def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:
 
 
 STORAGE_CONTROL_PREFIX = CONTROL_PREFIX + "storage."
+
+
+def chunk_control(
+    registry: ChunkRegistry, method: str, body: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """`hicache_ext.*` chunk methods of the HTTP routes (`/chunks`, placement) on the registry."""
+    name = method[len(CONTROL_PREFIX) :]
+    if name == "list_chunks":
+        return [{"chunks": registry.list(), "stats": registry.stats()}]
+    if name == "describe_chunk":
+        info = registry.describe(str(body.get("id", "")))
+        if info is not None and "probe_layer" in body:
+            info["key_probe"] = registry.key_probe(
+                str(body["id"]), int(body["probe_layer"]), int(body["probe_token"])
+            )
+        return [{"chunk": info}]
+    if name.startswith("placement."):
+        return [registry.placement.handle(name[len("placement.") :], body)]
+    if name == "delete_chunk":
+        return [{"deleted": registry.delete(str(body.get("id", "")))}]
+    raise ValueError(f"unknown hicache_ext control method {method!r}")
 
 
 def _handle_fidelity_record(scheduler: Any, recv_req: Any) -> None:

@@ -4,6 +4,7 @@ promotion and demotion with it (host memory in front, as in the server)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from sglang_hicache_ext.tiers.chunks.chunk_tiers import MOONCAKE, ChunkSummary, 
 from sglang_hicache_ext.tiers.chunks.dense_file import encode_chunk
 from sglang_hicache_ext.tiers.chunks.host_cache import HostChunkCache
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
+from sglang_hicache_ext.tiers.chunks.remote_catalog import ChunkCatalog
 from sglang_hicache_ext.tiers.chunks.remote_tier import HEADER_SUFFIX, ChunkRemoteTier
 from tests.test_chunk_disk import assert_same, make_chunk
 from tests.test_chunk_tiers import ROPE, _same
@@ -150,3 +152,81 @@ def test_registry_of_a_second_server_discovers_and_uses_a_chunk(master: Mooncake
     second.unpin(key)
     assert second.describe(key)["tiers"] == ["host", MOONCAKE]
     assert second.stats()["hits_by_tier"] == {"host": 0, MOONCAKE: 1, "miss": 0}
+
+
+def test_catalogue_loses_no_entry_to_racing_writers_nor_waits_forever_on_a_gap(
+    master: MooncakeMaster,
+) -> None:
+    """Two writers appending at once (the store has no lock): every entry read exactly once.
+    A writer that died between claiming a slot and filling it holds readers back only for
+    `hole_timeout_s`; then the slot is skipped, counted, and the entries after it read."""
+    clients = [_client(master), _client(master), _client(master, segment_bytes=0)]
+    writers = [ChunkCatalog(clients[i], "ns/", f"server-{i}") for i in range(2)]
+    reader = ChunkCatalog(clients[2], "ns/", "reader")
+
+    def append(catalog: ChunkCatalog) -> None:
+        for n in range(30):
+            assert catalog.publish([f"{catalog.writer}-{n}"])
+
+    threads = [threading.Thread(target=append, args=(w,)) for w in writers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    keys = [key for entry in reader.read_new() for key in entry.keys]
+    assert sorted(keys) == sorted(f"server-{i}-{n}" for i in range(2) for n in range(30))
+    assert reader.read_new() == []  # caught up
+    assert sum(w.stats().published for w in writers) == 60 and reader.stats().read == 60
+
+    writer = ChunkCatalog(clients[0], "gap/", "a")
+    assert writer.publish(["first"])
+    clients[1].put("gap/catalog/2", b'{"writer": "b", "keys": ["after-the-gap"]}')  # 1 empty
+    reader = ChunkCatalog(clients[2], "gap/", "r", hole_timeout_s=0.3)
+    assert [e.keys for e in reader.read_new()] == [("first",)]
+    assert reader.read_new() == []  # still waiting for slot 1
+    time.sleep(0.4)
+    assert [e.keys for e in reader.read_new()] == [("after-the-gap",)]
+    assert reader.stats().holes_skipped == 1
+    assert writer.publish(["next"])  # after the last filled slot, never into the gap
+    assert [(e.writer, e.keys) for e in reader.read_new()] == [("a", ("next",))]
+
+
+def test_registry_indexes_a_chunk_another_server_announced(master: MooncakeMaster) -> None:
+    """Captured anywhere, reused everywhere: the second registry knows the first's chunk from
+    the catalogue alone (no registration of the same tokens), and reads it from the store."""
+    rope = RopeSpec(inv_freq=ROPE.inv_freq)
+    first = ChunkRegistry(1 << 30, rope, remote=ChunkRemoteTier(_client(master), "m", writer="a:1"))
+    second = ChunkRegistry(
+        1 << 30,
+        rope,
+        remote=ChunkRemoteTier(_client(master, segment_bytes=0), "m", writer="b:2", poll_s=0),
+    )
+    chunk = make_chunk(7, tokens=64)
+    assert first.add(chunk)
+    key = chunk.content_hash
+    prompt = [1, 2, 3, *chunk.token_ids, 4, 5]
+    assert second.index.find(prompt) == []
+    (match,) = second.find(prompt)  # reads the catalogue first
+    assert second.sync_shared() == 0  # nothing new
+    assert (match.chunk_id, match.prompt_start) == (key, 3)
+    assert second.store.remote is not None and second.store.remote.writer_of[key] == "a:1"
+    held = second.pin(key)
+    assert held is not None and held.tier == MOONCAKE and _same(held.chunk, chunk)
+    second.unpin(key)
+    stats = second.stats()
+    assert stats["found_in_shared_tier"] == 1 and stats["mooncake"]["catalog"]["read"] == 1
+    assert first.sync_shared() == 0  # its own announcement: known already
+
+
+def test_a_full_store_keeps_the_chunk_here_and_announces_nothing(master: MooncakeMaster) -> None:
+    """A write the store cannot take (its memory full) is counted; the chunk stays in host
+    memory, and other servers are not told of a chunk they could not read."""
+    remote = ChunkRemoteTier(_client(master, segment_bytes=16 << 20), "full", writer="a:1")
+    chunk = make_chunk(3, tokens=24_000)
+    assert chunk.nbytes > 16 << 20  # more than the whole store (16 MiB: Mooncake's least)
+    tiers = _tiered(remote, host_chunks=1 + chunk.nbytes // CHUNK_BYTES)
+    tiers.put(chunk.content_hash, chunk)
+    stats = remote.stats()
+    assert stats.write_errors == 1 and stats.catalog is not None
+    assert (stats.catalog.published, stats.catalog.publish_errors) == (0, 0)
+    assert tiers.tiers_of(chunk.content_hash) == ["host"]

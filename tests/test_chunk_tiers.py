@@ -14,12 +14,13 @@ from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.request import ChunkSegment
 from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry, chunk_namespace
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.tiers.chunks import disk_tier
 from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkSummary, ChunkTiers
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
+from sglang_hicache_ext.tiers.chunks.tier import chunk_namespace
 from tests.test_chunk_disk import make_chunk
 
 ROPE = RopeSpec(inv_freq=torch.ones(8))

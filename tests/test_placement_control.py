@@ -24,6 +24,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import (
     probing_placement,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.sglang_ext.scheduler_control import chunk_control
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.stored_forms import StoredBlob, stored_codec, through_codec
 from tests.test_chunk_disk import make_chunk
@@ -53,7 +54,7 @@ def test_inputs_report_every_form_and_the_reads(tmp_path: Path) -> None:
     held = pin_request_chunks(registry, prompt, None)  # a real request's: the chunk's read
     unpin_chunks(registry, held.pinned, None)
     assert not registry.store.host.pinned(chunks[0].content_hash)
-    inputs = registry.handle_control("hicache_ext.placement.inputs", {})[0]
+    inputs = chunk_control(registry, "hicache_ext.placement.inputs", {})[0]
     by_id = {c["id"]: c for c in inputs["chunks"]}
     assert set(by_id) == {c.content_hash for c in chunks}
     first = by_id[chunks[0].content_hash]
@@ -68,8 +69,8 @@ def test_inputs_report_every_form_and_the_reads(tmp_path: Path) -> None:
     assert inputs["capacities"] == {"host": 10 * chunks_bytes(), "disk": 10**8}
     assert inputs["host_bytes_outside"] == 0 and inputs["disk_bytes_per_s"] > 0
     # An applied round turns its reads into history (halved at the next round).
-    registry.handle_control("hicache_ext.placement.apply", {"forms": {}})
-    again = registry.handle_control("hicache_ext.placement.inputs", {})[0]
+    chunk_control(registry, "hicache_ext.placement.apply", {"forms": {}})
+    again = chunk_control(registry, "hicache_ext.placement.inputs", {})[0]
     assert {c["id"]: c["frequency"] for c in again["chunks"]}[chunks[0].content_hash] == 0.5
 
 
@@ -78,7 +79,7 @@ def test_chunks_beyond_the_measuring_budget_are_estimated(
 ) -> None:
     monkeypatch.setattr(placement_control, "MEASURE_BUDGET_S", 0.0)  # one chunk per call
     registry, chunks = _registry(tmp_path, 10 * chunks_bytes())
-    first = registry.handle_control("hicache_ext.placement.inputs", {})[0]
+    first = chunk_control(registry, "hicache_ext.placement.inputs", {})[0]
     assert sorted(first["stored"]) == sorted(c.content_hash for c in chunks)
     estimated = [c for c in first["chunks"] if c["estimated"]]
     measured = [c for c in first["chunks"] if not c["estimated"]]
@@ -86,7 +87,7 @@ def test_chunks_beyond_the_measuring_budget_are_estimated(
     for chunk in estimated:  # the registered size exactly, the others per token alike
         assert chunk["nbytes"]["none"] == chunks_bytes()
         assert chunk["nbytes"]["int8"] == pytest.approx(measured[0]["nbytes"]["int8"], rel=0.01)
-    again = registry.handle_control("hicache_ext.placement.inputs", {})[0]
+    again = chunk_control(registry, "hicache_ext.placement.inputs", {})[0]
     assert sum(not c["estimated"] for c in again["chunks"]) == 2
 
 
@@ -117,9 +118,9 @@ def test_probe_rows_are_the_registered_rows_through_the_codec(tmp_path: Path) ->
 def test_applied_forms_change_host_memory_and_keep_the_disk_rows(tmp_path: Path) -> None:
     registry, chunks = _registry(tmp_path, 10 * chunks_bytes())
     a, b, c = (chunk.content_hash for chunk in chunks)
-    registry.handle_control("hicache_ext.placement.inputs", {})
-    applied = registry.handle_control(
-        "hicache_ext.placement.apply", {"forms": {a: "int8", b: None, c: "none"}}
+    chunk_control(registry, "hicache_ext.placement.inputs", {})
+    applied = chunk_control(
+        registry, "hicache_ext.placement.apply", {"forms": {a: "int8", b: None, c: "none"}}
     )[0]
     assert applied["outcomes"] == {"changed": 1, "dropped": 1, "kept": 1}
     listing = {info["id"]: info for info in registry.list()}
@@ -138,7 +139,7 @@ def test_applied_forms_change_host_memory_and_keep_the_disk_rows(tmp_path: Path)
     assert registry.pin_form(a, "none") is not None
     registry.unpin(a, probe=True)
     # Back to dense: made from the disk's registered rows, exactly.
-    registry.handle_control("hicache_ext.placement.apply", {"forms": {a: "none"}})
+    chunk_control(registry, "hicache_ext.placement.apply", {"forms": {a: "none"}})
     restored = registry.store.host.peek(a)
     assert isinstance(restored, PrecomputedChunk)
     assert all(torch.equal(x, y) for x, y in zip(restored.keys, chunks[0].keys, strict=True))
@@ -151,15 +152,15 @@ def test_a_chunk_in_use_is_left_as_it_is_and_nothing_is_evicted(tmp_path: Path) 
     key = chunks[0].content_hash
     assert registry.pin(key) is not None
     for form in (None, "int8"):
-        applied = registry.handle_control("hicache_ext.placement.apply", {"forms": {key: form}})[0]
+        applied = chunk_control(registry, "hicache_ext.placement.apply", {"forms": {key: form}})[0]
         assert applied["outcomes"] == {"busy": 1}
     assert registry.host_form(key) == "none"
     registry.unpin(key)
     gone = "0" * 64
-    applied = registry.handle_control("hicache_ext.placement.apply", {"forms": {gone: "int8"}})[0]
+    applied = chunk_control(registry, "hicache_ext.placement.apply", {"forms": {gone: "int8"}})[0]
     assert applied["outcomes"] == {"gone": 1}
     with pytest.raises(ValueError, match="cannot be held as"):
-        registry.handle_control("hicache_ext.placement.apply", {"forms": {key: "zstd"}})
+        chunk_control(registry, "hicache_ext.placement.apply", {"forms": {key: "zstd"}})
 
 
 def test_applied_forms_never_evict_and_go_smallest_first(tmp_path: Path) -> None:
@@ -168,14 +169,14 @@ def test_applied_forms_never_evict_and_go_smallest_first(tmp_path: Path) -> None
     registry, chunks = _registry(tmp_path, 2 * chunks_bytes())
     a, b, c = (chunk.content_hash for chunk in chunks)
     assert [registry.host_form(k) for k in (a, b, c)] == [None, "none", "none"]
-    registry.handle_control("hicache_ext.placement.inputs", {})
-    applied = registry.handle_control(
-        "hicache_ext.placement.apply", {"forms": {a: "none", b: "int8", c: "int4"}}
+    chunk_control(registry, "hicache_ext.placement.inputs", {})
+    applied = chunk_control(
+        registry, "hicache_ext.placement.apply", {"forms": {a: "none", b: "int8", c: "int4"}}
     )[0]
     assert applied["outcomes"] == {"changed": 3}  # b and c shrank before a grew
     assert [registry.host_form(k) for k in (a, b, c)] == ["none", "int8", "int4"]
-    applied = registry.handle_control(
-        "hicache_ext.placement.apply", {"forms": {b: "none", c: "none"}}
+    applied = chunk_control(
+        registry, "hicache_ext.placement.apply", {"forms": {b: "none", c: "none"}}
     )[0]
     assert applied["outcomes"] == {"no_room": 2}  # neither fits beside a: nothing evicted
     assert [registry.host_form(k) for k in (a, b, c)] == ["none", "int8", "int4"]
@@ -186,7 +187,7 @@ def test_applied_forms_never_evict_and_go_smallest_first(tmp_path: Path) -> None
 def test_without_a_disk_the_placement_is_unavailable() -> None:
     registry = ChunkRegistry(10**6, ROPE)
     with pytest.raises(RuntimeError, match="needs a disk tier"):
-        registry.handle_control("hicache_ext.placement.inputs", {})
+        chunk_control(registry, "hicache_ext.placement.inputs", {})
     assert "chunk_disk_dir" in UNAVAILABLE
 
 

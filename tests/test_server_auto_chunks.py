@@ -190,28 +190,23 @@ def test_concurrent_capture_and_fusion_equal_one_by_one(
     auto_server: AutoServer, corpus: list[str]
 ) -> None:
     """48 requests at once over fresh documents: some capture a document while others fuse it.
-    At ratio 1 a fused prefill is the normal one, so every output must equal its one-by-one run
-    however the captures interleave."""
+    Each prompt is sent twice in the mix, fused at ratio 1 and with fusion off: at ratio 1 a
+    fused prefill is the normal one, so both outputs must equal the prompt's one-by-one run
+    (with fusion off) however the captures interleave."""
     url = auto_server.url
     fresh = corpus[8:20]
     rng = random.Random(5)
-    jobs = []
-    for i in range(48):
-        docs = rng.sample(fresh, 3)
-        custom = (
-            {"fusion_selector": "full", "fusion_recompute_ratio": 1.0}
-            if i % 2 == 0
-            else {"fusion": False}
-        )
-        jobs.append((docs, f"What is document {1 + i % 3} about?", custom))
+    prompts = [(rng.sample(fresh, 2), f"What is document {1 + i % 2} about?") for i in range(24)]
+    ratio_one = {"fusion_selector": "full", "fusion_recompute_ratio": 1.0}
+    jobs = [(*prompt, custom) for prompt in prompts for custom in (ratio_one, {"fusion": False})]
     before = _stats(url)
-    with ThreadPoolExecutor(max_workers=48) as pool:
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         together = list(pool.map(lambda job: _answer(url, *job), jobs))
     after = _stats(url)
     assert after["auto_chunks"]["captured"] > before["auto_chunks"]["captured"]
     assert after["fusion"].get("fused_requests", 0) > before["fusion"].get("fused_requests", 0)
-    alone = [_answer(url, *job) for job in jobs]
-    assert together == alone
+    alone = [_answer(url, docs, question, {"fusion": False}) for docs, question in prompts]
+    assert together == [answer for answer in alone for _ in range(2)]
 
 
 def _answer(url: str, docs: list[str], question: str, custom: dict[str, Any]) -> str:
@@ -227,19 +222,20 @@ def _generate(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_pathological_prompts_are_answered_and_capture_stays_bounded(
     auto_server: AutoServer, corpus: list[str]
 ) -> None:
-    """One token repeated 3,000 times, 700 one-line paragraphs, documents
-    that differ by one word: answered, fused or not, and at most a piece kept per distinct
-    paragraph (benchmarks/auto_reuse_limits.py times them)."""
+    """One token repeated 1,500 times, 350 one-line paragraphs (each prompt over three of the
+    server's 512-token prefill rounds), documents that differ by one word: answered, fused or
+    not, and at most a piece kept per distinct paragraph (benchmarks/auto_reuse_limits.py
+    times them at 7,000 tokens and 700 lines)."""
     url = auto_server.url
     before = _stats(url)["auto_chunks"]
     (token,) = _tokenize(url, [" the"])[0][-1:]
-    body = {"input_ids": [token] * 3000, "sampling_params": {"max_new_tokens": 2}}
+    body = {"input_ids": [token] * 1500, "sampling_params": {"max_new_tokens": 2}}
     for _ in range(2):  # the second time its pieces are stored already
         _generate(url, body)
     repeated = _stats(url)["auto_chunks"]
     # Identical content is cut identically: one distinct piece, and the tail joined to the last.
     assert repeated["captured"] - before["captured"] <= 2
-    lines = "\n".join(f"Line {i}: all quiet." for i in range(700))
+    lines = "\n".join(f"Line {i}: all quiet." for i in range(350))
     _generate(url, {"text": lines, "sampling_params": {"max_new_tokens": 2}})
     assert _stats(url)["auto_chunks"]["captured"] == repeated["captured"]  # none is a piece
     doc = corpus[21]

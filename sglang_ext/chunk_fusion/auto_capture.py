@@ -217,7 +217,7 @@ class AutoCapture:
         if not pieces:
             return 0
         covered = np.zeros(len(tokens), dtype=bool)
-        for match in self.registry.index.find(tokens):
+        for match in self.registry.find(tokens):  # other servers' pieces too: kept once
             covered[match.prompt_start : match.prompt_end] = True
         todo: list[tuple[int, int, str]] = []
         todo_ids: set[str] = set()

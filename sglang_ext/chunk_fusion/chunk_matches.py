@@ -51,7 +51,7 @@ def pinned_chunk_segments(
     cursor = 0
     fetched = WholeFetches()
     metrics = extension_metrics() if probe_form is None else None  # probes are not traffic
-    for match in registry.index.find(tokens):
+    for match in registry.find(tokens):
         began = time.perf_counter()
         chunk_id = match.chunk_id
         held = (

@@ -49,6 +49,8 @@ def run_fused_batch(
     _profile(rt, results, prefill_s)
     for (index, plan), result in zip(firsts, results, strict=True):
         plan.continuation = _rows_of(adapter, plan, result)
+        if writers := rt.registry.stored_by(plan.pinned):  # found through the shared tier
+            plan.continuation.info["chunks_stored_by"] = writers
         _profile_load(rt, plan, adapter.shape.num_layers)
         capacity = plan.options.decode_capacity if plan.options is not None else None
         if capacity is not None:

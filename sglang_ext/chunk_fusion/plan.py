@@ -114,7 +114,7 @@ class FusionRuntime:
             ):
                 if self.auto_capture is not None:  # its documents kept by earlier requests
                     self.auto_capture.settle(req.origin_input_ids)
-                matches = self.registry.index.find(req.origin_input_ids)
+                matches = self.registry.find(req.origin_input_ids)
                 last_chunk_end = matches[-1].prompt_end if matches else None
             cached = (generation, last_chunk_end)
             self._admission[req] = cached

@@ -12,13 +12,17 @@ chunk's token ids. The chunk index learns the token sequence so later prompts ca
 With a disk tier (`chunk_disk_dir`) the chunk is also written to disk before the registration
 is answered; at start the registry indexes every chunk found on disk, so chunks registered
 before a restart are used without registering them again.
+With the shared tier (`chunk_mooncake_master`) it is also written to the Mooncake Store and
+announced in its catalogue; every lookup (`find`) first indexes the chunks other servers
+announced there, registered or kept from traffic, so a document one server stored is reused by
+all.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
-from pathlib import Path
+from collections import Counter
 from typing import Any
 
 import torch
@@ -26,7 +30,7 @@ import torch
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, layer_frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec
-from sglang_hicache_ext.radix.chunk_index import ChunkIndex
+from sglang_hicache_ext.radix.chunk_index import ChunkIndex, ChunkMatch
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
     PlacementControl,
     host_form,
@@ -51,15 +55,6 @@ from sglang_hicache_ext.tiers.chunks.stored_forms import BlobReader, StoredBlob,
 logger = logging.getLogger(__name__)
 
 CONTROL_PREFIX = "hicache_ext."
-
-
-def chunk_namespace(model_path: str, identity: str) -> str:
-    """The subdirectory of `chunk_disk_dir` for one model: chunk KV is only valid for the model
-    (and KV dtype) that computed it, and two models may share a tokenizer, hence token ids and
-    content hashes. `identity` is everything that changes the KV (config, dtypes, revision)."""
-    digest = hashlib.sha256(f"{model_path}\n{identity}".encode()).hexdigest()[:16]
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(model_path).name)
-    return f"{name or 'model'}-{digest}"
 
 
 # What host memory holds: a dense chunk's rows, or a compressed chunk's stored bytes.
@@ -130,6 +125,27 @@ class ChunkRegistry:
             self.store, self.summary, self.report_stored_bytes, disk_read_bytes_per_s
         )
         self.restored = self._index_stored_chunks()
+        self.shared_found = 0  # chunks other servers announced in the shared tier, indexed here
+
+    def find(self, token_ids: list[int] | tuple[int, ...]) -> list[ChunkMatch]:
+        """The stored chunks `token_ids` holds (`ChunkIndex.find`), other servers' included."""
+        self.sync_shared()
+        return self.index.find(token_ids)
+
+    def sync_shared(self) -> int:
+        """Index the chunks other servers announced in the shared tier since the last look."""
+        remote = self.store.remote
+        found = 0 if remote is None else sum(self._index_header(*h) for h in remote.announced())
+        if found and (metrics := extension_metrics()) is not None:
+            metrics.shared_chunks_found(found)
+        self.shared_found += found
+        return found
+
+    def stored_by(self, chunk_ids: list[str]) -> dict[str, int]:
+        """Per other server (as it announced itself), how many of `chunk_ids` it stored."""
+        remote = self.store.remote
+        writers = [] if remote is None else [remote.writer_of.get(c) for c in chunk_ids]
+        return dict(Counter(w for w in writers if w is not None))
 
     def _index_stored_chunks(self) -> int:
         """Index the chunks a disk tier holds from before this process (restart); how many."""
@@ -327,7 +343,7 @@ class ChunkRegistry:
                 logger.info("chunk %s found in the shared tier", chunk_id[:12])
         return self._info(chunk_id)
 
-    def _key_probe(self, chunk_id: str, layer: int, token: int) -> list[list[float]]:
+    def key_probe(self, chunk_id: str, layer: int, token: int) -> list[list[float]]:
         stored = self.store.peek(chunk_id)
         if stored is None:
             raise ValueError(f"unknown chunk {chunk_id[:12]}")
@@ -375,24 +391,7 @@ class ChunkRegistry:
             "demotions": stats.demotions,
             "lost": stats.lost,
             "restored_from_disk": self.restored,
+            "found_in_shared_tier": self.shared_found,
             "disk": None if stats.disk is None else stats.disk.__dict__,
-            "mooncake": None if stats.remote is None else stats.remote.__dict__,
+            "mooncake": None if stats.remote is None else dataclasses.asdict(stats.remote),
         }
-
-    def handle_control(self, method: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-        """`hicache_ext.*` control requests from the HTTP routes (via SGLang's control channel)."""
-        name = method[len(CONTROL_PREFIX) :]
-        if name == "list_chunks":
-            return [{"chunks": self.list(), "stats": self.stats()}]
-        if name == "describe_chunk":
-            info = self.describe(str(body.get("id", "")))
-            if info is not None and "probe_layer" in body:
-                info["key_probe"] = self._key_probe(
-                    str(body["id"]), int(body["probe_layer"]), int(body["probe_token"])
-                )
-            return [{"chunk": info}]
-        if name.startswith("placement."):
-            return [self.placement.handle(name[len("placement.") :], body)]
-        if name == "delete_chunk":
-            return [{"deleted": self.delete(str(body.get("id", "")))}]
-        raise ValueError(f"unknown hicache_ext control method {method!r}")

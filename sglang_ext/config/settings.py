@@ -109,6 +109,12 @@ class ExtensionSettings(BaseModel):
         "tier; chunks in it go when the server stops).",
         json_schema_extra={"zero_means": "lends none, uses other servers' segments"},
     )
+    chunk_mooncake_catalog: bool = Field(
+        True,
+        description="Announce every chunk this server stores in the Mooncake tier (registered "
+        "or kept by auto_chunks) in the namespace's catalogue, and index the chunks other "
+        "servers announce: a document captured on one server is reused on every other.",
+    )
     chunk_codec: ChunkCodecSpec | None = Field(
         None,
         description='Codec every chunk tier (host memory included) stores chunks with: "int8" '

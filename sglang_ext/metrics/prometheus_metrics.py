@@ -150,6 +150,12 @@ class ExtensionMetrics:
         self._auto_chunk_tokens = counter(
             "auto_chunk_tokens_captured_total", "Tokens of the pieces auto_chunks kept."
         )
+        self._shared_found = counter(
+            "shared_chunks_found_total",
+            "Chunks other servers stored in the shared tier (registered or kept by auto_chunks) "
+            "and announced in its catalogue, indexed by this server: summed over a fleet's "
+            "servers, how far documents travel between them.",
+        )
         self._target_ratio = gauge(
             "fusion_target_ratio",
             'Recompute ratio "auto" uses for chunks of a tier with a token-agreement target '
@@ -197,6 +203,9 @@ class ExtensionMetrics:
         self._auto_chunks.labels(**self.labels, outcome=outcome).inc()
         if outcome == "captured":
             self._auto_chunk_tokens.labels(**self.labels).inc(num_tokens)
+
+    def shared_chunks_found(self, count: int) -> None:
+        self._shared_found.labels(**self.labels).inc(count)
 
     # -- disk tier ----------------------------------------------------------------------------
 

@@ -265,6 +265,14 @@ def start_server(config: ServerConfig, log_path: Path) -> ServerProcess:
     return _starter(config, log_path)
 
 
+def wait_until_healthy(
+    process: ServerProcess, config: ServerConfig, log_path: Path, deadline: float
+) -> None:
+    """Until the server answers `/health` (monotonic `deadline`); ServerStartError with its log
+    tail if it exits or the deadline passes."""
+    _wait_until_healthy(process, config, log_path, deadline, deadline - time.monotonic())
+
+
 def _wait_until_healthy(
     process: ServerProcess,
     config: ServerConfig,

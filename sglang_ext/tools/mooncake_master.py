@@ -31,6 +31,7 @@ class MooncakeMaster:
         self.segment_bytes = segment_bytes
         self._log_path = log_path
         self._processes: list[subprocess.Popen[bytes]] = []
+        self.commands: list[list[str]] = []  # as started (the local cluster prints them)
 
     def start(self, timeout_s: float = 30.0) -> None:
         binaries = Path(sys.executable).parent
@@ -70,6 +71,7 @@ class MooncakeMaster:
             env["LD_LIBRARY_PATH"] = ":".join(
                 filter(None, [str(_DEPS), env.get("LD_LIBRARY_PATH")])
             )
+        self.commands.append([binary.name, *flags])
         with open(self._log_path, "ab") as log:
             self._processes.append(
                 subprocess.Popen(

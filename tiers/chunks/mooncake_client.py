@@ -41,6 +41,7 @@ class ObjectStoreClient(Protocol):
 
     def put(self, key: str, data: bytes) -> None: ...
     def get(self, key: str) -> bytes | None: ...  # None: no such object
+    def get_many(self, keys: list[str]) -> list[bytes | None]: ...  # one round trip
     def exists(self, key: str) -> bool: ...
     def remove(self, key: str) -> None: ...
     def close(self) -> None: ...
@@ -120,6 +121,15 @@ class MooncakeClient:
         if self.exists(key):
             raise RemoteStoreError(f"mooncake get {key}: object listed but not readable")
         return None
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Small objects in one round trip; None for each absent one (a failure reads as absent:
+        callers that must tell use `get`)."""
+        with self._lock:
+            found = self._client.get_batch(keys)
+        if len(found) != len(keys):
+            raise RemoteStoreError(f"mooncake get_batch: {len(found)} answers for {len(keys)}")
+        return [bytes(data) if data else None for data in found]
 
     def exists(self, key: str) -> bool:
         with self._lock:

@@ -5,9 +5,10 @@ A chunk is two objects under `hicache_ext/<namespace>/<key>`: the encoded chunk 
 (`.header`) so that another server can index the chunk, by its tokens, without fetching the rows.
 The data object is written first: a header seen by a reader always has its rows written before it.
 
-A server knows the chunks it wrote and those it discovered by key (`discover`, on a registration
-of the same tokens); the store has no listing. Every read is verified (a chunk that fails is
-removed, counted, and reported missing); a store that cannot be reached is logged and counted,
+A server knows the chunks it wrote and those it discovered: by key (`discover`, on a
+registration of the same tokens), or through the namespace's catalogue (`remote_catalog.py`),
+to which every write is announced and which `announced` reads. Every read is verified (a chunk
+that fails is removed, counted, and reported missing); a store that cannot be reached is logged and counted,
 and the caller computes the chunk's tokens instead; for `retry_after_s` after such a failure the
 store is not asked again (a stopped master costs each request seconds of timeouts otherwise),
 and those skipped reads and writes are counted as failures too. A chunk the store no longer holds (evicted
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
 from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader, CorruptChunkError
 from sglang_hicache_ext.tiers.chunks.mooncake_client import ObjectStoreClient, RemoteStoreError
+from sglang_hicache_ext.tiers.chunks.remote_catalog import CatalogStats, ChunkCatalog
 from sglang_hicache_ext.tiers.chunks.stored_forms import (
     StoredBlob,
     load_stored,
@@ -38,6 +40,7 @@ from sglang_hicache_ext.tiers.chunks.tier import ChunkTier
 logger = logging.getLogger(__name__)
 
 HEADER_SUFFIX = ".header"
+_HEADER_BATCH = 64  # headers fetched per round trip when learning announced chunks
 
 
 @dataclass(frozen=True)
@@ -53,16 +56,30 @@ class ChunkRemoteStats:
     bytes_read: int
     bytes_written: int
     read_s: float  # time spent fetching and verifying
+    catalog: CatalogStats | None = None  # None: this server neither announces nor reads
 
 
 class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
     """Chunks in a store shared with other servers, through its client (thread-safe)."""
 
     def __init__(
-        self, store: ObjectStoreClient, namespace: str, retry_after_s: float = 5.0
+        self,
+        store: ObjectStoreClient,
+        namespace: str,
+        retry_after_s: float = 5.0,
+        writer: str | None = None,
+        poll_s: float = 0.1,
     ) -> None:
         self.store = store
         self.prefix = f"hicache_ext/{namespace}/"
+        # With a writer name, writes are announced to the other servers and theirs are read.
+        self.catalog = None if writer is None else ChunkCatalog(store, self.prefix, writer)
+        self.writer_of: dict[str, str] = {}  # chunk -> the server that announced it
+        # The catalogue is read before every request's chunk lookup, at most this often: a
+        # round trip per look, and a document another server kept is seen within this time.
+        self.poll_s = poll_s
+        self._polled_at = -float("inf")
+        self._announced: list[tuple[str, str]] = []  # (chunk, writer) read, header not yet
         self.retry_after_s = retry_after_s
         self._unreachable_until = 0.0  # monotonic time before which the store is not asked
         self._headers: dict[str, ChunkFileHeader] = {}  # known chunks, in order learned
@@ -87,7 +104,10 @@ class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
         with self._lock:
             size = sum(h.stored_bytes for h in self._headers.values())
             counts = {name: self._counts[name] for name in _COUNTERS}
-            return ChunkRemoteStats(len(self._headers), size, read_s=self._read_s, **counts)
+        catalog = None if self.catalog is None else self.catalog.stats()
+        return ChunkRemoteStats(
+            len(self._headers), size, read_s=self._read_s, catalog=catalog, **counts
+        )
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -105,6 +125,8 @@ class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
         with self._lock:
             self._headers[key] = parsed
             self._counts["bytes_written"] += len(header) + len(rows)
+        if self.catalog is not None:
+            self.catalog.publish([key])  # a failure is logged, counted; the chunk stays stored
         return True
 
     def remove(self, key: str) -> bool:
@@ -134,8 +156,10 @@ class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
             logger.warning("chunk %s: shared tier not reachable: %s", key[:12], error)
             self._failed("read_errors", error)
             return None
-        if data is None:
-            return None
+        return None if data is None else self._learn(key, data)
+
+    def _learn(self, key: str, data: bytes) -> ChunkFileHeader | None:
+        """Know `key` from its header object's bytes; None (dropped, counted) if corrupt."""
         try:
             header = parse_stored_header(io.BytesIO(data), key, rows_follow=False)
             if header.key != key:
@@ -147,6 +171,36 @@ class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
             self._headers[key] = header
             self._counts["discovered"] += 1
         return header
+
+    def announced(self) -> list[tuple[str, ChunkFileHeader]]:
+        """Chunks other servers announced since the last call, with their headers (rows not
+        read; headers fetched in batches); [] without a catalogue or within `poll_s` of the
+        last look. A store that cannot be reached is logged and counted, and what was read of
+        the catalogue but not yet looked up is looked up next time."""
+        now = time.monotonic()
+        if self.catalog is None or now - self._polled_at < self.poll_s:
+            return []
+        self._polled_at = now
+        found: list[tuple[str, ChunkFileHeader]] = []
+        try:
+            self._check_reachable()
+            for entry in self.catalog.read_new():
+                self._announced.extend((key, entry.writer) for key in entry.keys if key not in self)
+            while self._announced:
+                batch = self._announced[:_HEADER_BATCH]
+                names = [self.prefix + key + HEADER_SUFFIX for key, _ in batch]
+                for (key, writer), data in zip(batch, self.store.get_many(names), strict=True):
+                    if data is None:  # removed since, or a failed read: `get` raises on that
+                        data = self.store.get(self.prefix + key + HEADER_SUFFIX)
+                    header = None if data is None else self._learn(key, data)
+                    if header is not None:
+                        self.writer_of[key] = writer
+                        found.append((key, header))
+                    self._announced.pop(0)
+        except RemoteStoreError as error:
+            logger.warning("shared tier's catalogue not read: %s", error)
+            self._failed("read_errors", error)
+        return found
 
     def get(self, key: str) -> ChunkTensors | StoredBlob | None:
         """The whole chunk, every row (or compressed layer) verified; None if absent,

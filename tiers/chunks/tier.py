@@ -11,8 +11,10 @@ Implementations are thread-safe.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 from typing import Generic, TypeVar
 
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkLike, ChunkTensors
@@ -21,6 +23,15 @@ from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader
 from sglang_hicache_ext.tiers.chunks.stored_forms import StoredBlob, encode_stored
 
 StatsT = TypeVar("StatsT")
+
+
+def chunk_namespace(model_path: str, identity: str) -> str:
+    """The subdirectory of `chunk_disk_dir` for one model: chunk KV is only valid for the model
+    (and KV dtype) that computed it, and two models may share a tokenizer, hence token ids and
+    content hashes. `identity` is everything that changes the KV (config, dtypes, revision)."""
+    digest = hashlib.sha256(f"{model_path}\n{identity}".encode()).hexdigest()[:16]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(model_path).name)
+    return f"{name or 'model'}-{digest}"
 
 
 class ChunkTier(ABC, Generic[StatsT]):
