@@ -51,6 +51,19 @@ def corpus_of(size: int) -> tuple[list[str], dict[str, str]]:
     return docs, questions
 
 
+def traffic_draws(
+    corpus_size: int, per_request: int, requests: int
+) -> tuple[list[list[str]], dict[str, str], dict[str, int]]:
+    """The requests' documents (seeded draws from the corpus), a question per document and each
+    document's SmolLM2 token count: the same traffic for every benchmark that replays it."""
+    corpus, questions = corpus_of(corpus_size)
+    tokenizer = smollm2_tokenizer()
+    tokens = {d: len(tokenizer.encode(d, add_special_tokens=False)) for d in corpus}
+    rng = random.Random(2026)
+    draws = [rng.sample(corpus, per_request) for _ in range(requests)]
+    return draws, questions, tokens
+
+
 def fusion_counters(url: str) -> dict[str, int]:
     info = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
     fusion = info["hicache_ext"]["fusion"] or {}
@@ -191,11 +204,8 @@ def main() -> int:
     if args.plot_only:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
         return 0
-    corpus, questions = corpus_of(args.corpus)
-    tokenizer = smollm2_tokenizer()
-    tokens = {d: len(tokenizer.encode(d, add_special_tokens=False)) for d in corpus}
-    rng = random.Random(2026)
-    draws = [rng.sample(corpus, args.per_request) for _ in range(args.requests)]
+    draws, questions, tokens = traffic_draws(args.corpus, args.per_request, args.requests)
+    corpus = list(tokens)
     auto = settings_file({"auto_chunks": True, "fusion_by_default": True})
     env = {"SGLANG_HICACHE_EXT_CONFIG": auto}
     with smollm2_server("auto-reuse", extra_args=FLAGS, env=env) as server:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import re
 import statistics
 import sys
@@ -38,8 +37,8 @@ from typing import Any
 import requests
 from tqdm import tqdm
 
-from benchmarks.auto_reuse import corpus_of
-from benchmarks.smollm2_server import RESULTS, smollm2_path, smollm2_tokenizer
+from benchmarks.auto_reuse import traffic_draws
+from benchmarks.smollm2_server import RESULTS, smollm2_path
 from examples.openai_rag import Answer, ask
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import OUTCOMES
 from sglang_hicache_ext.sglang_ext.server.launcher import free_port
@@ -335,11 +334,7 @@ def main() -> int:
     if args.plot_only:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
         return 0
-    corpus, questions = corpus_of(args.corpus)
-    tokenizer = smollm2_tokenizer()
-    tokens = {d: len(tokenizer.encode(d, add_special_tokens=False)) for d in corpus}
-    rng = random.Random(2026)
-    draws = [rng.sample(corpus, args.per_request) for _ in range(args.requests)]
+    draws, questions, tokens = traffic_draws(args.corpus, args.per_request, args.requests)
     kill_at, restart_at = int(args.kill_at * args.requests), int(args.restart_at * args.requests)
     shared = run_cluster(args, True, draws, questions, tokens, kill_at, restart_at)
     per_server = run_cluster(args, False, draws[:kill_at], questions, tokens, None, None)

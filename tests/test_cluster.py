@@ -10,6 +10,8 @@ server started again reuses what was stored before. Stopping the cluster leaves 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -78,8 +80,6 @@ def _group(pid: int) -> set[int]:
 
 def _pgid(pid: int) -> int | None:
     try:
-        import os
-
         return os.getpgid(pid)
     except (ProcessLookupError, PermissionError):
         return None
@@ -179,10 +179,10 @@ def test_cluster_flags_that_cannot_work_stop_in_one_line(tiny_llama_path: Path) 
         "fusion_shadow_rate = 2 must be in [0, 1]": [*model, "--settings",
                                                      json.dumps({"fusion_shadow_rate": 2})],
     }  # fmt: skip
-    with __import__("socket").socket() as busy:
+    with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        cases["is in use"] = [*model, "--port", str(busy.getsockname()[1])]
+        cases["is already in use"] = [*model, "--port", str(busy.getsockname()[1])]
         cases["no smg (SGLang Model Gateway) there"] = [*model, "--smg", "/no/such/smg"]
         for expected, args in cases.items():
             done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=60)

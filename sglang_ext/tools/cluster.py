@@ -53,6 +53,7 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     stop_process_group,
     wait_until_healthy,
 )
+from sglang_hicache_ext.sglang_ext.server.preflight import PreflightError, check_port_free
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import MooncakeMaster
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,10 @@ class LocalCluster:
     def start(self) -> None:
         """Start every component and wait until each answers; on any failure stop what started
         and raise ClusterError."""
-        self._check_free(self.spec.port, "router port")
+        try:  # the check SGLang's own launch runs (TIME-WAIT sockets are no conflict)
+            check_port_free(self.spec.host, self.spec.port)
+        except PreflightError as error:
+            raise ClusterError(f"router {error}") from None
         smg = self.spec.smg or shutil.which("smg") or str(Path(sys.executable).parent / "smg")
         if not Path(smg).is_file():
             raise ClusterError(
@@ -273,15 +277,6 @@ class LocalCluster:
 
     def _log(self, i: int) -> Path:
         return self.log_dir / f"server-{i}.log"
-
-    def _check_free(self, port: int, what: str) -> None:
-        import socket
-
-        with socket.socket() as sock:
-            try:
-                sock.bind((self.spec.host, port))
-            except OSError:
-                raise ClusterError(f"{what} {self.spec.host}:{port} is in use") from None
 
 
 def _stop_group(process: ServerProcess) -> None:
