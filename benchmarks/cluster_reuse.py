@@ -12,13 +12,18 @@ that served it (its fusion counters moved), the document tokens seen before anyw
 cluster and only on the other worker, the tokens the fused prefill matched to stored chunks,
 TTFT (first streamed token) of both.
 
+`--ratio` pins the recompute ratio (the server's `fusion_recompute_ratio`; default: the server's
+own `"auto"`). After the sequential traffic, `--concurrent` requests (the same draws again, fused)
+go through the router at once, `--concurrency` at a time: errors, TTFT and the share of document
+tokens the servers report cached (`usage.prompt_tokens_details.cached_tokens`).
+
 At `--kill-at` (a share of the requests) worker 0 is killed with SIGKILL; the traffic goes on
 (a failed request is counted with its time since the kill and sent again after 0.5 s); at
 `--restart-at` it is started again on its port and the traffic goes on, now to both. Then a
 second cluster without the shared tier (per-server tiers: `--no-shared-tier`) gets the same
 requests up to the kill: the share reused and TTFT side by side.
 
-    python -m benchmarks.cluster_reuse [--requests 48 --corpus 16 --per-request 4]
+    python -m benchmarks.cluster_reuse [--requests 48 --corpus 16 --per-request 4 --ratio 0.15]
 -> benchmarks/results/cluster_reuse.json (+ .png).
 """
 
@@ -31,6 +36,7 @@ import re
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +181,45 @@ def run_traffic(
     return rows, events
 
 
+def run_concurrent(
+    cluster: LocalCluster, draws: list[list[str]], questions: dict[str, str], concurrency: int,
+    sequential: list[dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """The draws again, fused, `concurrency` at a time through the router (distinct routing keys:
+    both workers busy at once). Every document was seen in the sequential phase."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0)
+
+    def one(n: int) -> Answer | str:
+        key = {ROUTING_KEY: f"concurrent-{n}"}
+        try:
+            return ask(client, cluster.model_name, draws[n], questions[draws[n][0]], headers=key)
+        except Exception as error:  # noqa: BLE001 - every failure the client sees is counted
+            return f"{type(error).__name__}: {error}"
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        answers = list(pool.map(one, range(len(draws))))
+    ok = {n: a for n, a in enumerate(answers) if isinstance(a, Answer)}
+    # Compared where the sequential phase fused it too (all its documents seen then).
+    comparable = [n for n in ok if sequential[n]["all_seen"]]
+    return {
+        "requests": len(draws),
+        "concurrency": concurrency,
+        "errors": [a for a in answers if not isinstance(a, Answer)],
+        "wall_s": time.monotonic() - began,
+        "median_ttft_s": statistics.median(a.ttft_s for a in ok.values()) if ok else None,
+        # cached_tokens also counts the chat template's shared prefix
+        "cached_tokens": sum(a.cached_tokens or 0 for a in ok.values()),
+        "prompt_tokens": sum(a.prompt_tokens or 0 for a in ok.values()),
+        "same_answer_as_sequential": [
+            sum(ok[n].text == sequential[n]["fused_answer"] for n in comparable),
+            len(comparable),
+        ],
+    }
+
+
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def share(subset: list[dict[str, Any]], seen_key: str) -> float | None:
         # A document seen for the first time has nothing stored to match: every matched chunk
@@ -229,12 +274,15 @@ def run_cluster(
     args: argparse.Namespace, shared: bool, draws: list[list[str]], questions: dict[str, str],
     tokens: dict[str, int], kill_at: int | None, restart_at: int | None,
 ) -> dict[str, Any]:  # fmt: skip
+    settings = dict(SETTINGS)
+    if args.ratio is not None:
+        settings["fusion_recompute_ratio"] = args.ratio
     spec = ClusterSpec(
         model_path=str(smollm2_path()),
         servers=args.servers,
         port=free_port(),
         policy="consistent_hashing",
-        settings=SETTINGS,
+        settings=settings,
         server_args=("--enable-cache-report",),
         max_total_tokens=20_000,
         shared_tier=shared,
@@ -246,6 +294,11 @@ def run_cluster(
         cluster.start()
         start_s = time.monotonic() - began
         rows, events = run_traffic(cluster, draws, questions, tokens, kill_at, restart_at)
+        concurrent = (
+            run_concurrent(cluster, draws[: args.concurrent], questions, args.concurrency, rows)
+            if args.concurrent and shared
+            else None
+        )
         states = {}
         for i, config in enumerate(cluster.configs):
             info = requests.get(config.url + "/server_info", timeout=30).json()
@@ -267,6 +320,7 @@ def run_cluster(
         "start_s": start_s,
         "events": events,
         "summary": summarise(rows),
+        "concurrent": concurrent,
         "servers": states,
         "log_dir": str(cluster.log_dir),
         "rows": rows,
@@ -274,50 +328,31 @@ def run_cluster(
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from benchmarks.plots import save_figure
 
     figure, (timeline, bars) = plt.subplots(1, 2, figsize=(11, 4))
     shared = report["shared"]
-    for worker, marker in (("0", "o"), ("1", "s")):
-        rows = [r for r in shared["rows"] if str(r["worker"]) == worker]
-        timeline.scatter(
-            [r["request"] for r in rows],
-            [r["fused_ttft_s"] for r in rows],
-            s=10,
-            marker=marker,
-            label=f"fused, worker {worker}",
-        )
-    timeline.scatter(
-        [r["request"] for r in shared["rows"]],
-        [r["off_ttft_s"] for r in shared["rows"]],
-        s=6,
-        color="grey",
-        label="fusion off",
-    )
+    series = [(f"fused, worker {w}", "fused_ttft_s", str(w), m) for w, m in ((0, "o"), (1, "s"))]
+    for label, key, worker, marker in [*series, ("fusion off", "off_ttft_s", None, ".")]:
+        rows = [r for r in shared["rows"] if worker is None or str(r["worker"]) == worker]
+        xs, ys = [r["request"] for r in rows], [r[key] for r in rows]
+        timeline.scatter(xs, ys, s=10, marker=marker, label=label)
     for name in ("killed_at_request", "restarted_at_request"):
         if name in shared["events"]:
             timeline.axvline(shared["events"][name], linestyle="--", color="black")
-    timeline.set(
-        xlabel="request", ylabel="TTFT (s)", title="Shared tier: TTFT per request (kill, restart)"
-    )
+    timeline.set(xlabel="request", ylabel="TTFT (s)", title="Shared tier: TTFT (kill, restart)")
     timeline.legend(fontsize=7)
-    labels, values = [], []
-    for name in ("shared", "per_server"):
-        summary = report[name]["summary"]
-        for worker, figures in summary["per_worker"].items():
-            labels.append(f"{name}\nworker {worker}")
-            values.append(figures["seen_document_tokens_matched"] or 0)
-    bars.bar(labels, values)
+    reused = {
+        f"{name}\nworker {worker}": figures["seen_document_tokens_matched"] or 0
+        for name in ("shared", "per_server")
+        for worker, figures in report[name]["summary"]["per_worker"].items()
+    }
+    bars.bar(list(reused), list(reused.values()))
     bars.axhline(0.9, linestyle="--", color="grey")
     bars.set(ylabel="seen-document tokens reused", ylim=(0, 1.05), title="Reuse per worker")
-    figure.suptitle(report["command"], fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
-    plt.close(figure)
-    return out
+    return save_figure(figure, report["command"], out)
 
 
 def main() -> int:
@@ -328,6 +363,11 @@ def main() -> int:
     parser.add_argument("--per-request", type=int, default=4)
     parser.add_argument("--kill-at", type=float, default=0.5)
     parser.add_argument("--restart-at", type=float, default=0.75)
+    parser.add_argument(
+        "--ratio", type=float, default=None, help="fusion_recompute_ratio (default: auto)"
+    )
+    parser.add_argument("--concurrent", type=int, default=24, help="0: no concurrent phase")
+    parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", type=Path, default=RESULTS / "cluster_reuse.json")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
@@ -341,21 +381,15 @@ def main() -> int:
     report = {
         "command": "python -m benchmarks.cluster_reuse " + " ".join(sys.argv[1:]),
         "model": "SmolLM2-135M-Instruct",
+        "recompute_ratio": "auto" if args.ratio is None else args.ratio,
         "shared": shared,
         "per_server": per_server,
     }
     args.out.write_text(json.dumps(report, indent=1))
     plot(report, args.out.with_suffix(".png"))
-    print(
-        json.dumps(
-            {
-                k: {"start_s": v["start_s"], "events": v["events"], "summary": v["summary"]}
-                for k, v in report.items()
-                if isinstance(v, dict)
-            },
-            indent=1,
-        )
-    )
+    keys = ("start_s", "events", "summary", "concurrent")
+    brief = {k: {key: v[key] for key in keys} for k, v in report.items() if isinstance(v, dict)}
+    print(json.dumps(brief, indent=1))
     return 0
 
 

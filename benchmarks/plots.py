@@ -118,7 +118,7 @@ def plot_fusion_quality(results: Path, out: Path) -> Path:
         f"{data['documents_per_prompt']} shuffled documents, {data['model']} "
         "(benchmarks/results/fusion_quality.json)"
     )
-    return _save(figure, title, out)
+    return save_figure(figure, title, out)
 
 
 def plot_fusion_retention(results: Path, out: Path) -> Path | None:
@@ -170,7 +170,7 @@ def plot_fusion_retention(results: Path, out: Path) -> Path | None:
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7, loc="lower right")
     title = "Answer F1 kept against prefill time paid (benchmarks/fusion_retention.py)"
-    return _save(figure, title, out)
+    return save_figure(figure, title, out)
 
 
 def plot_fidelity(results_file: Path, out: Path) -> Path | None:
@@ -253,7 +253,7 @@ def plot_ttl_budgets(results: Path, out: Path) -> Path:
         f"{replayed['bytes_per_block'] / 2**20:.0f} MiB blocks): "
         "benchmarks/results/ttl_replay.json + ttl_budget_sweep.json"
     )
-    return _save(figure, title, out)
+    return save_figure(figure, title, out)
 
 
 TIER_STYLES = {
@@ -286,7 +286,7 @@ def plot_fusion_tiers(results_file: Path, out: Path) -> Path:
         f"fused TTFT per chunk tier, {report['model']}, {report['prompts']} prompts "
         "(benchmarks/results/fusion_tiers.json)"
     )
-    return _save(figure, title, out)
+    return save_figure(figure, title, out)
 
 
 def plot_placement(results_file: Path, out: Path) -> Path | None:
@@ -320,7 +320,7 @@ def plot_placement(results_file: Path, out: Path) -> Path | None:
         f"{100 * report['dram_fraction']:.0f} % of dense, {report['model']}\n"
         f"(benchmarks/results/{results_file.name})"
     )
-    return _save(figure, title, out)
+    return save_figure(figure, title, out)
 
 
 def plot_decode_eviction(results_file: Path, out: Path) -> Path | None:
@@ -348,10 +348,11 @@ def plot_decode_eviction(results_file: Path, out: Path) -> Path | None:
         f"decode after a fused prefill, {report['model']}, CPU\n"
         f"(benchmarks/results/{results_file.name})"
     )
-    return _save(figure, title, out)
+    return save_figure(figure, title, out)
 
 
-def _save(figure: Figure, title: str, out: Path) -> Path:
+def save_figure(figure: Figure, title: str, out: Path) -> Path:
+    """Titled, laid out, written to `out` and closed (the other benchmarks plot through it)."""
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(out)

@@ -46,7 +46,7 @@ def _generate(url: str, prompt: str, **custom: object) -> dict:
 
 def test_full_recompute_equals_normal_prefill(hicache_server, rag_prompts) -> None:
     url = hicache_server.url
-    for prompt in rag_prompts:
+    for prompt in rag_prompts[:2]:
         # A variant no other test sends, fused first: a fused prefill inserts nothing, while the
         # normal one puts the prompt into every tier (the file tier survives /flush_cache).
         variant = prompt.replace("Documents:", "Exactness check. Documents:")
@@ -187,7 +187,9 @@ def test_bad_fusion_options_are_400(hicache_server, custom: dict, message: str) 
 
 def test_concurrent_fused_requests_match_sequential(hicache_server, rag_prompts) -> None:
     url = hicache_server.url
-    jobs = [(rag_prompts[i % 3], ("a3", "epic", "reuse", "freq")[i % 4]) for i in range(16)]
+    # 8 distinct requests (2 prompts x 4 selectors), and the first 4 sent twice: 12 at once.
+    distinct = [(p, s) for p in rag_prompts[:2] for s in ("a3", "epic", "reuse", "freq")]
+    jobs = distinct + distinct[:4]
     options = {"a3": 0.15, "epic": 0.3, "reuse": 0.0, "freq": 0.15}
 
     def run(job: tuple[str, str]) -> list[int]:
@@ -204,9 +206,10 @@ def test_concurrent_fused_requests_match_sequential(hicache_server, rag_prompts)
         info = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
         return info["hicache_ext"]["fusion"]["fused_batches"]
 
-    sequential = [run(job) for job in jobs]
+    one_by_one = {job: run(job) for job in distinct}
+    sequential = [one_by_one[job] for job in jobs]
     before = fused_batches()
-    with ThreadPoolExecutor(max_workers=16) as pool:
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         concurrent = list(pool.map(run, jobs))
     # Requests of one batch were computed together (fused_prefill_batch), with the same outputs.
     assert fused_batches() - before < len(jobs)

@@ -112,7 +112,7 @@ def test_a_user_request_arriving_during_a_check_goes_first(
     url = hicache_server.url
     # A prompt whose normal prefill takes seconds on this CPU, so the check is still running
     # when the user's request comes.
-    filler = " ".join(load_hotpotqa(12, seed=29)[k].documents[0] for k in range(12))
+    filler = " ".join(load_hotpotqa(8, seed=29)[k].documents[0] for k in range(8))
     prompt = f"{filler}\n\n{documents[1]}\n\nQuestion {uuid.uuid4().hex[:6]}: who is named?"
     out = _generate(url, prompt, fusion=True, fusion_shadow=True)
     before = _checks(url)["counts"].get("requeued", 0)
