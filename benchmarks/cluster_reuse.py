@@ -14,8 +14,8 @@ TTFT (first streamed token) of both.
 
 `--ratio` pins the recompute ratio (the server's `fusion_recompute_ratio`; default: the server's
 own `"auto"`). After the sequential traffic, `--concurrent` requests (the same draws again, fused)
-go through the router at once, `--concurrency` at a time: errors, TTFT and the share of document
-tokens the servers report cached (`usage.prompt_tokens_details.cached_tokens`).
+go through the router, `--concurrency` at a time: errors, TTFT and the prompt tokens the servers
+report cached (`usage.prompt_tokens_details.cached_tokens`).
 
 At `--kill-at` (a share of the requests) worker 0 is killed with SIGKILL; the traffic goes on
 (a failed request is counted with its time since the kill and sent again after 0.5 s); at
@@ -328,6 +328,9 @@ def run_cluster(
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from benchmarks.plots import save_figure
