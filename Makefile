@@ -10,6 +10,9 @@ MODELS_STAMP := $(VENV)/.models
 TORCH_VERSION := 2.13.0
 SGLANG_VERSION := 0.5.23
 PYTEST_ARGS ?=
+# One test worker per core, each pinned to it with the servers it starts (tests/parallel_workers.py);
+# PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= auto
 
 export SGLANG_USE_CPU_ENGINE := 1
 export HF_HUB_OFFLINE := 1
@@ -55,7 +58,7 @@ models-qwen: env
 test: env models
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 demo: env models
 	$(PY) examples/demo.py

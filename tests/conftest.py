@@ -19,6 +19,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests import parallel_workers  # noqa: E402
+
+parallel_workers.prepare_this_process()  # before anything imports torch
+
 from scripts.prepare_models import SMOLLM2, TINY_LLAMA, TINY_QWEN2, prepare  # noqa: E402
 from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import disk_tier_extra_config  # noqa: E402
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR  # noqa: E402
@@ -47,6 +51,8 @@ ZYGOTE_DIR = Path(tempfile.mkdtemp(prefix="server-zygote-"))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if parallel_workers.is_controller(session.config):
+        return  # the xdist workers run the tests, each with its own zygote
     SHARED_SERVERS.start_session()
     # Servers are forked from one process that imports SGLang once (tests/server_zygote.py);
     # it imports on the other core while the first tests run.
@@ -56,6 +62,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     SHARED_SERVERS.end_session()
     SERVER_FORKS.close()
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return parallel_workers.auto_workers()
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    return parallel_workers.make_scheduler(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if parallel_workers.worker_index() is not None:
+        parallel_workers.group_items(items)
 
 
 @pytest.fixture
@@ -241,7 +260,8 @@ def tiny_qwen2_launch(
 def _spawned_server_started_early(request: pytest.FixtureRequest) -> None:
     """`tiny_qwen2_server` is spawned, not forked: ~30 s of imports in its three processes. They
     run from the first test on, beside the tests before its users, instead of in their setup."""
-    if SHARED_SERVERS.planned("tiny_qwen2_server"):
+    # Not in an xdist worker: it has one core, and may not be the one that runs its users.
+    if SHARED_SERVERS.planned("tiny_qwen2_server") and parallel_workers.worker_index() is None:
         config, log_path = request.getfixturevalue("tiny_qwen2_launch")
         with server_starter(start_subprocess):
             SHARED_SERVERS.start_early("tiny_qwen2_server", config, log_path)

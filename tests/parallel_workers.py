@@ -1,0 +1,113 @@
+"""How the suite runs on several cores (`make test`: pytest-xdist, `-n auto`).
+
+An SGLang CPU server's prefill gains little from a second core (tests/test_server_fusion.py:
+189 s on two cores, 229 s on one), so the suite runs one xdist worker per core and every torch
+in it, its servers' included (they inherit the environment), on one OpenMP thread per worker's
+share of the cores. The workers are not pinned: a core whose worker waits (a server starting,
+a TTL to expire) runs the other's processes. Measured on the 2-core machine, the whole suite:
+1089 s in one process, 826 s with each worker pinned to its core, 735 s unpinned (1,349 of its
+1,470 core-seconds busy).
+
+Tests are handed out in groups (`GroupScheduling`): a test file's tests stay together
+(module-scoped servers), and the files that share a session server (`SHARED_FIXTURES`) form one
+group, so each shared server starts once, on one worker, and is stopped after its last user
+there (tests/shared_servers.py). Groups are queued heaviest first (server tests count), so the
+long ones do not start last. Workers compute the groups while collecting and write them to a
+file the controller reads (xdist's own `--dist loadgroup` marks do not reach its scheduler on
+pytest 9.2: pytest-dev/pytest-xdist#1386).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The session servers of tests/conftest.py that several test files share.
+SHARED_FIXTURES = ("hicache_server", "disk_server", "chunked_prefill_server", "tiny_qwen2_server")
+# Most workers `-n auto` starts: each holds a forked SGLang and its servers (GBs).
+MAX_WORKERS = 4
+# Where the workers write {test id: group} for the controller (set by the controller, inherited).
+_GROUPS_ENV = "HICACHE_EXT_TEST_GROUPS"
+
+
+def worker_index() -> int | None:
+    """This process's xdist worker number, None outside a worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return int(worker.removeprefix("gw")) if worker else None
+
+
+def is_controller(config: pytest.Config) -> bool:
+    """Whether this process hands tests to xdist workers (and so runs none itself)."""
+    return worker_index() is None and getattr(config.option, "numprocesses", None) not in (None, 0)
+
+
+def prepare_this_process() -> None:
+    """In a worker, size OpenMP to the worker's share of the cores before torch is imported (it
+    sizes its pool once, from OMP_NUM_THREADS, here and in each server the worker starts);
+    elsewhere, name the file the workers will write the groups to."""
+    if worker_index() is None:
+        os.environ.setdefault(
+            _GROUPS_ENV, str(Path(tempfile.gettempdir()) / f"test-groups-{os.getpid()}.json")
+        )
+        return
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+
+
+def auto_workers() -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+def group_items(items: list[pytest.Item]) -> None:
+    """Order the tests groups heaviest first (keeping each group's own order) and write each
+    test's group for the controller."""
+    files = list(dict.fromkeys(item.path for item in items))
+    parent = {path: path for path in files}
+
+    def root(path: Path) -> Path:
+        while parent[path] != path:
+            path = parent[path]
+        return path
+
+    first_user: dict[str, Path] = {}
+    for item in items:
+        for name in SHARED_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                other = first_user.setdefault(name, item.path)
+                parent[root(item.path)] = root(other)
+    weight: dict[Path, int] = {}
+    for item in items:
+        group = root(item.path)
+        weight[group] = weight.get(group, 0) + (100 if item.get_closest_marker("server") else 1)
+    order = {group: i for i, group in enumerate(dict.fromkeys(root(item.path) for item in items))}
+    items.sort(key=lambda item: (-weight[root(item.path)], order[root(item.path)]))
+    target = Path(os.environ[_GROUPS_ENV])
+    partial = target.with_name(f"{target.name}.{os.getpid()}")
+    partial.write_text(json.dumps({item.nodeid: str(root(item.path)) for item in items}))
+    partial.replace(target)  # the workers write the same map; each write is whole
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with this suite's groups as the scopes, in the workers'
+        order (heaviest first)."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # every worker has collected (and written) by now
+                path = Path(os.environ[_GROUPS_ENV])
+                self.groups = json.loads(path.read_text())
+                path.unlink(missing_ok=True)
+            return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False
+    return GroupScheduling(config, log)
