@@ -193,6 +193,12 @@ def main() -> int:
     )
     parser.add_argument("--min-prompt-tokens", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--full-signals",
+        action="store_true",
+        help="with --resume, also run the full prefill of rows measured before its first-token "
+        "signals were recorded (the control of research/fidelity_signals_study.py)",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument(
         "--summary-only", action="store_true", help="summarise the file's rows, measure nothing"
@@ -241,7 +247,7 @@ def main() -> int:
         example = padded(example, examples, tokenizer, args.min_prompt_tokens)
         row = by_qid.get(example.qid)
         missing = [m for m in methods if row is None or m not in row["methods"]]
-        if not missing:
+        if not missing and not (args.full_signals and "full_signals" not in row):
             continue
         began = time.perf_counter()
         segments = question_segments(example, tokenizer, adapter)
@@ -267,11 +273,14 @@ def main() -> int:
             rows.append(row)
             by_qid[example.qid] = row
         row["full_prefill_s"] = full.prefill_s
+        # The full prefill's own first-token entropy and margin: the study's control (is a
+        # fused prefill's uncertainty the fusion's, or the question's?).
+        row["full_signals"] = full.signals
         chunk_sets = {(None, False, False, False): segments}
         # The first prompt an `auto_chunks` server sees these paragraphs in asks another question
         # (with `mixed`, among that question's paragraphs).
         other = examples[(position + 1) % len(examples)]
-        for codec, prefix, traffic, mixed in variants:
+        for codec, prefix, traffic, mixed in variants if missing else ():
             chunk_sets[codec, prefix, traffic, mixed] = question_segments(
                 example,
                 tokenizer,

@@ -6,7 +6,8 @@ signals from `fusion/fidelity_signals.py`) and, for one method (the operating po
 would start from), ranks every signal against the labels: AUROC for "the answer differs from
 the full prefill's" (0.5: no signal; above: a higher value means a likelier difference; below:
 the reverse) with a 95 % bootstrap interval, and Spearman's rank correlation with the
-teacher-forced KL and with 1 - token agreement. A signal a guard could use reads AUROC >= 0.7
+teacher-forced KL and with 1 - token agreement. Rows that carry the full prefill's own
+first-token signals (`full_signals`) add them as `full:*`, the control. A signal a guard could use reads AUROC >= 0.7
 (or <= 0.3) on the evaluation questions; choices (which signal, which threshold) are made on the
 seed-7 dev questions only.
 
@@ -55,8 +56,15 @@ def auroc_interval(scores: np.ndarray, positive: np.ndarray) -> tuple[float, flo
 
 
 def study(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
-    runs = [row["methods"][method] for row in rows if method in row["methods"]]
-    runs = [run for run in runs if run.get("signals")]
+    runs = []
+    for row in rows:
+        run = row["methods"].get(method)
+        if not run or not run.get("signals"):
+            continue
+        # The control: the full prefill's own first-token signals, where the row has them (is
+        # an uncertain fused prefill fusion's doing, or a question the model is unsure of?).
+        control = {f"full:{k}": v for k, v in (row.get("full_signals") or {}).items()}
+        runs.append({**run, "signals": {**run["signals"], **control}})
     if not runs:
         raise SystemExit(f"no row of {method!r} carries signals (rerun the harness)")
     differs = np.array([not run["agree"] for run in runs])

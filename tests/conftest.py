@@ -68,8 +68,11 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return parallel_workers.auto_workers()
 
 
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    return parallel_workers.make_scheduler(config, log)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    # `-n` alone (xdist's "load"): this suite's groups; an explicit --dist is xdist's own.
+    return (
+        parallel_workers.make_scheduler(config, log) if config.getvalue("dist") == "load" else None
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -260,7 +263,8 @@ def tiny_qwen2_launch(
 def _spawned_server_started_early(request: pytest.FixtureRequest) -> None:
     """`tiny_qwen2_server` is spawned, not forked: ~30 s of imports in its three processes. They
     run from the first test on, beside the tests before its users, instead of in their setup."""
-    # Not in an xdist worker: it has one core, and may not be the one that runs its users.
+    # Not in an xdist worker: the cores are busy with the workers' tests, and this worker may
+    # not be the one that runs its users.
     if SHARED_SERVERS.planned("tiny_qwen2_server") and parallel_workers.worker_index() is None:
         config, log_path = request.getfixturevalue("tiny_qwen2_launch")
         with server_starter(start_subprocess):
