@@ -346,7 +346,7 @@ def main() -> int:
             loss = loss_of(adapter, question, trailer, pad_id)
             loss.backward()
             optimizer.step()
-            total += float(loss)
+            total += float(loss.detach())
         curve.append(total / len(train))
         print(f"epoch {epoch + 1}: train KL {curve[-1]:.4f}", flush=True)
     train_s = time.perf_counter() - began

@@ -63,7 +63,8 @@ def study(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
             continue
         # The control: the full prefill's own first-token signals, where the row has them (is
         # an uncertain fused prefill fusion's doing, or a question the model is unsure of?).
-        control = {f"full:{k}": v for k, v in (row.get("full_signals") or {}).items()}
+        full = row.get("full_signals") or {}
+        control = {f"full:{k}": v for k, v in full.items() if k.startswith("first_token")}
         runs.append({**run, "signals": {**run["signals"], **control}})
     if not runs:
         raise SystemExit(f"no row of {method!r} carries signals (rerun the harness)")
