@@ -118,10 +118,12 @@ class ChunkContext:
 
 
 @torch.no_grad()
-def chunk_context(
-    adapter: ModelAdapter, chunk: PrecomputedChunk, prefix: Sequence[int]
-) -> ChunkContext:
-    ids = torch.tensor(list(prefix) + list(chunk.token_ids))
+def prefix_rows(
+    adapter: ModelAdapter, prefix: Sequence[int]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer pre-RoPE K/V of the chat header the `+prefix` chunks were computed after: the
+    same for every chunk (causal), so computed once, and the chunk's own stored rows follow."""
+    ids = torch.tensor(list(prefix))
     positions = torch.arange(len(ids))
     hidden = adapter.embed(ids)
     keys, values = [], []
@@ -138,6 +140,14 @@ def chunk_context(
             adapter.attn_scale,
         )
         hidden = adapter.attention_output(layer, hidden, attn)
+    return keys, values
+
+
+def chunk_context(
+    chunk: PrecomputedChunk, prefix: tuple[list[torch.Tensor], list[torch.Tensor]]
+) -> ChunkContext:
+    keys = [torch.cat([p, c]) for p, c in zip(prefix[0], chunk.keys, strict=True)]
+    values = [torch.cat([p, c]) for p, c in zip(prefix[1], chunk.values, strict=True)]
     return ChunkContext(chunk, keys, values)
 
 
@@ -192,9 +202,9 @@ def prepare(
     adapter: ModelAdapter, tokenizer: Any, example: HotpotQAExample, stop: set[int]
 ) -> Question:
     segments = question_segments(example, tokenizer, adapter, prefix_chunks=True)
-    prefix = tokenizer.encode(chat_prefix(), add_special_tokens=False)
+    header = prefix_rows(adapter, tokenizer.encode(chat_prefix(), add_special_tokens=False))
     contexts = {
-        i: chunk_context(adapter, s.chunk, prefix)
+        i: chunk_context(s.chunk, header)
         for i, s in enumerate(segments)
         if isinstance(s, ChunkSegment)
     }
