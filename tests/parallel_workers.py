@@ -15,12 +15,18 @@ there (tests/shared_servers.py). Groups are queued heaviest first (server tests 
 long ones do not start last. Workers compute the groups while collecting and write them to a
 file the controller reads (xdist's own `--dist loadgroup` marks do not reach its scheduler on
 pytest 9.2: pytest-dev/pytest-xdist#1386).
+
+A test that hangs is stopped by pytest-timeout (pyproject.toml), which ends its worker; the
+scheduler reports that test failed without handing it out again, requeues the rest of the
+worker's groups for a new worker, and kills what the old one started (`stop_processes_of`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -93,6 +99,26 @@ def group_items(items: list[pytest.Item]) -> None:
     partial.replace(target)  # the workers write the same map; each write is whole
 
 
+def stop_processes_of(worker: str, run: str) -> int:
+    """SIGKILL what a worker that went down left running (servers forked or spawned by it, their
+    children, Mooncake masters), found by the xdist worker and run ids every process it started
+    inherits in its environment. Returns how many were stopped."""
+    marks = {f"PYTEST_XDIST_WORKER={worker}".encode(), f"PYTEST_XDIST_TESTRUNUID={run}".encode()}
+    stopped = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environment = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:  # gone, or not ours to read
+            continue
+        if marks <= environment:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                stopped += 1
+    return stopped
+
+
 def make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
@@ -108,6 +134,30 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
                 self.groups = json.loads(path.read_text())
                 path.unlink(missing_ok=True)
             return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+        def remove_node(self, node: Any) -> str | None:
+            """A worker that went down mid-test (a hang stopped by pytest-timeout, a crash):
+            its test is reported failed and not handed out again (xdist's scope scheduling
+            requeues it, so one hang would crash worker after worker), the rest of its groups
+            go back in the queue, and what it started (servers, Mooncake) is stopped."""
+            workload = self.assigned_work.pop(node)
+            pending = [
+                (scope, nodeid)
+                for scope, unit in workload.items()
+                for nodeid, done in unit.items()
+                if not done
+            ]
+            if not pending:
+                return None
+            scope, crashed = pending[0]
+            workload[scope][crashed] = True
+            stop_processes_of(node.gateway.id, node.workerinput["testrunuid"])
+            for scope, unit in workload.items():
+                if not all(unit.values()):
+                    self.workqueue[scope] = unit
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
 
     config.option.loadscopereorder = False
     return GroupScheduling(config, log)
