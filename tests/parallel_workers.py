@@ -18,16 +18,17 @@ pytest 9.2: pytest-dev/pytest-xdist#1386).
 
 A test that hangs is stopped by pytest-timeout (pyproject.toml), which ends its worker; the
 scheduler reports that test failed without handing it out again, requeues the rest of the
-worker's groups for a new worker, and kills what the old one started (`stop_processes_of`).
+worker's groups for a new worker, and what the old one started is killed (by the worker itself
+before it exits, `stop_descendants`, and by the controller after any crash, `worker_down`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ SHARED_FIXTURES = ("hicache_server", "disk_server", "chunked_prefill_server", "t
 # Most workers `-n auto` starts: each holds a forked SGLang and its servers (GBs).
 MAX_WORKERS = 4
 # Where the workers write {test id: group} for the controller (set by the controller, inherited).
-_GROUPS_ENV = "HICACHE_EXT_TEST_GROUPS"
+GROUPS_ENV = "HICACHE_EXT_TEST_GROUPS"
 
 
 def worker_index() -> int | None:
@@ -58,7 +59,7 @@ def prepare_this_process() -> None:
     elsewhere, name the file the workers will write the groups to."""
     if worker_index() is None:
         os.environ.setdefault(
-            _GROUPS_ENV, str(Path(tempfile.gettempdir()) / f"test-groups-{os.getpid()}.json")
+            GROUPS_ENV, str(Path(tempfile.gettempdir()) / f"test-groups-{os.getpid()}.json")
         )
         return
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -93,30 +94,94 @@ def group_items(items: list[pytest.Item]) -> None:
         weight[group] = weight.get(group, 0) + (100 if item.get_closest_marker("server") else 1)
     order = {group: i for i, group in enumerate(dict.fromkeys(root(item.path) for item in items))}
     items.sort(key=lambda item: (-weight[root(item.path)], order[root(item.path)]))
-    target = Path(os.environ[_GROUPS_ENV])
+    index = worker_index()
+    if index is not None and index >= int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")):
+        return  # a replacement for a worker that went down: the controller has the map already
+    target = Path(os.environ[GROUPS_ENV])
     partial = target.with_name(f"{target.name}.{os.getpid()}")
     partial.write_text(json.dumps({item.nodeid: str(root(item.path)) for item in items}))
     partial.replace(target)  # the workers write the same map; each write is whole
 
 
 def stop_processes_of(worker: str, run: str) -> int:
-    """SIGKILL what a worker that went down left running (servers forked or spawned by it, their
-    children, Mooncake masters), found by the xdist worker and run ids every process it started
-    inherits in its environment. Returns how many were stopped."""
+    """SIGKILL what a worker that went down left running, found by the xdist worker and run ids
+    in the environment each process was started with: what the worker started with exec
+    (servers, the zygote and the servers it forks, their children, Mooncake masters). Its plain
+    forks show no ids (xdist sets them after the worker starts): `stop_descendants` stops those
+    while the worker still can. Returns how many were stopped."""
     marks = {f"PYTEST_XDIST_WORKER={worker}".encode(), f"PYTEST_XDIST_TESTRUNUID={run}".encode()}
     stopped = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
+    for pid in _pids():
         try:
-            environment = set((entry / "environ").read_bytes().split(b"\0"))
+            environment = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
         except OSError:  # gone, or not ours to read
             continue
         if marks <= environment:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                stopped += 1
+            stopped += _kill(pid)
     return stopped
+
+
+def stop_descendants() -> int:
+    """SIGKILL every process below this one (its servers and their children, forks included),
+    before this worker exits for a test that hung. Returns how many were stopped."""
+    parent_of: dict[int, int] = {}
+    for pid in _pids():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        parent_of[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+    me = os.getpid()
+
+    def below_me(pid: int) -> bool:
+        seen = set()
+        while pid in parent_of and pid not in seen:
+            seen.add(pid)
+            pid = parent_of[pid]
+            if pid == me:
+                return True
+        return False
+
+    return sum(_kill(pid) for pid in parent_of if below_me(pid))
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _kill(pid: int) -> int:
+    if pid == os.getpid():
+        return 0
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return 0
+    return 1
+
+
+def time_out_after_stopping_descendants(item: pytest.Item, settings: Any) -> None:
+    """pytest-timeout's thread method, with this worker's processes stopped first: a fork of the
+    worker holds its pipe to the controller open, which would hide the worker's end."""
+    import pytest_timeout
+
+    stop_descendants()
+    pytest_timeout.timeout_timer(item, settings)
+
+
+def set_timeout_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """`pytest_timeout_set_timer` for the thread method (None: pytest-timeout's own)."""
+    if settings.method != "thread":
+        return None
+    timer = threading.Timer(settings.timeout, time_out_after_stopping_descendants, (item, settings))
+    timer.name = f"timeout {item.nodeid}"
+
+    def cancel() -> None:
+        timer.cancel()
+        timer.join()
+
+    item.cancel_timeout = cancel  # type: ignore[attr-defined]  # what pytest-timeout cancels
+    timer.start()
+    return True
 
 
 def make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -130,7 +195,7 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:  # every worker has collected (and written) by now
-                path = Path(os.environ[_GROUPS_ENV])
+                path = Path(os.environ[GROUPS_ENV])
                 self.groups = json.loads(path.read_text())
                 path.unlink(missing_ok=True)
             return self.groups.get(nodeid) or nodeid.split("::", 1)[0]
@@ -138,8 +203,8 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
         def remove_node(self, node: Any) -> str | None:
             """A worker that went down mid-test (a hang stopped by pytest-timeout, a crash):
             its test is reported failed and not handed out again (xdist's scope scheduling
-            requeues it, so one hang would crash worker after worker), the rest of its groups
-            go back in the queue, and what it started (servers, Mooncake) is stopped."""
+            requeues it, so one hang would crash worker after worker), and the rest of its
+            groups go back to the front of the queue (`worker_down` stops what it started)."""
             workload = self.assigned_work.pop(node)
             pending = [
                 (scope, nodeid)
@@ -151,13 +216,27 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
                 return None
             scope, crashed = pending[0]
             workload[scope][crashed] = True
-            stop_processes_of(node.gateway.id, node.workerinput["testrunuid"])
-            for scope, unit in workload.items():
+            for scope, unit in reversed(workload.items()):
                 if not all(unit.values()):
                     self.workqueue[scope] = unit
+                    self.workqueue.move_to_end(scope, last=False)  # heaviest first still
             for other in self.assigned_work:
                 self._reschedule(other)
             return crashed
 
+        def _reschedule(self, node: Any) -> None:
+            # A replacement worker still collecting has nothing to run tests from yet (xdist
+            # would take a group for it and never send it: the run would wait forever);
+            # `schedule()` hands it work once it has collected.
+            if node in self.registered_collections:
+                super()._reschedule(node)
+
     config.option.loadscopereorder = False
     return GroupScheduling(config, log)
+
+
+def worker_down(node: Any, error: object) -> None:
+    """`pytest_testnodedown`: after a worker crashed (never after a normal end), stop what it
+    left running."""
+    if error is not None:
+        stop_processes_of(node.gateway.id, node.workerinput["testrunuid"])

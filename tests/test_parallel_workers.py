@@ -9,15 +9,18 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from tests.parallel_workers import stop_processes_of
+from tests.parallel_workers import GROUPS_ENV, stop_processes_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # The suite's hooks, without the rest of its conftest (no torch, no SGLang: workers start in
 # a second instead of a minute).
 CONFTEST = """
+import pytest
+
 from tests import parallel_workers
 
 parallel_workers.prepare_this_process()
@@ -27,19 +30,33 @@ def pytest_xdist_make_scheduler(config, log):
     return parallel_workers.make_scheduler(config, log)
 
 
+def pytest_testnodedown(node, error):
+    parallel_workers.worker_down(node, error)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    return parallel_workers.set_timeout_timer(item, settings)
+
+
 def pytest_collection_modifyitems(config, items):
     if parallel_workers.worker_index() is not None:
         parallel_workers.group_items(items)
 """
 
 HANGING = """
-import subprocess, time
+import os, subprocess, time
 from pathlib import Path
 
 
 def test_hangs():
     child = subprocess.Popen(["sleep", "600"], start_new_session=True)  # a server, say
     Path("child.pid").write_text(str(child.pid))
+    fork = os.fork()  # a plain fork holds the worker's pipe to the controller open
+    if fork == 0:
+        time.sleep(600)
+        os._exit(0)
+    Path("fork.pid").write_text(str(fork))
     time.sleep(600)
 
 
@@ -76,7 +93,7 @@ def test_a_hanging_test_fails_once_and_the_suite_goes_on(tmp_path: Path) -> None
             "timeout_method=thread",
         ],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**_outside_this_run(os.environ), "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=300,
@@ -88,7 +105,17 @@ def test_a_hanging_test_fails_once_and_the_suite_goes_on(tmp_path: Path) -> None
     # xdist's scope scheduling hands the crashed test out again, crashing worker after worker
     assert out.count("replacing crashed worker") == 1, out
     assert _gone(int((tmp_path / "child.pid").read_text())), out
+    assert _gone(int((tmp_path / "fork.pid").read_text())), out
     assert time.monotonic() - began < 120, out
+
+
+def _outside_this_run(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment without this run's xdist and group-map variables: the nested run is its
+    own controller."""
+    ours = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER_COUNT")
+    return {
+        name: value for name, value in environ.items() if name not in ours and name != GROUPS_ENV
+    }
 
 
 def test_only_the_processes_of_the_workers_run_are_stopped() -> None:
