@@ -24,14 +24,15 @@ before it exits, `stop_descendants`, and by the controller after any crash, `wor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 # The session servers of tests/conftest.py that several test files share.
@@ -109,54 +110,31 @@ def stop_processes_of(worker: str, run: str) -> int:
     (servers, the zygote and the servers it forks, their children, Mooncake masters). Its plain
     forks show no ids (xdist sets them after the worker starts): `stop_descendants` stops those
     while the worker still can. Returns how many were stopped."""
-    marks = {f"PYTEST_XDIST_WORKER={worker}".encode(), f"PYTEST_XDIST_TESTRUNUID={run}".encode()}
-    stopped = 0
-    for pid in _pids():
+    marks = {"PYTEST_XDIST_WORKER": worker, "PYTEST_XDIST_TESTRUNUID": run}
+    found = []
+    for process in psutil.process_iter():
         try:
-            environment = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-        except OSError:  # gone, or not ours to read
+            environment = process.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if marks <= environment:
-            stopped += _kill(pid)
-    return stopped
+        if process.pid != os.getpid() and marks.items() <= environment.items():
+            found.append(process)
+    return _kill(found)
 
 
 def stop_descendants() -> int:
     """SIGKILL every process below this one (its servers and their children, forks included),
     before this worker exits for a test that hung. Returns how many were stopped."""
-    parent_of: dict[int, int] = {}
-    for pid in _pids():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        parent_of[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-    me = os.getpid()
-
-    def below_me(pid: int) -> bool:
-        seen = set()
-        while pid in parent_of and pid not in seen:
-            seen.add(pid)
-            pid = parent_of[pid]
-            if pid == me:
-                return True
-        return False
-
-    return sum(_kill(pid) for pid in parent_of if below_me(pid))
+    return _kill(psutil.Process().children(recursive=True))
 
 
-def _pids() -> list[int]:
-    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
-
-
-def _kill(pid: int) -> int:
-    if pid == os.getpid():
-        return 0
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return 0
-    return 1
+def _kill(processes: list[psutil.Process]) -> int:
+    stopped = 0
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+            stopped += 1
+    return stopped
 
 
 def time_out_after_stopping_descendants(item: pytest.Item, settings: Any) -> None:
