@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import statistics
 import time
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
@@ -87,9 +90,12 @@ def token_ids(segments: list[Segment]) -> list[int]:
     ]
 
 
-def profile_call(fn: Callable[[], Any], device: torch.device, out: Path, label: str) -> None:
+def profile_call(
+    fn: Callable[[], Any], device: torch.device, out: Path, label: str
+) -> dict[str, float]:
     """One call under torch's profiler; the ops that took the most time, appended to
-    <out>.profile.txt (where a fused prefill's time goes beyond its kernels)."""
+    <out>.profile.txt. Returns the call's wall time and the time the GPU ran kernels in it:
+    their gap is where a fused prefill waits on Python or on read-backs, not on kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -101,10 +107,42 @@ def profile_call(fn: Callable[[], Any], device: torch.device, out: Path, label: 
         fn()
         sync(device)
     wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    # The device rows (kernels, copies, memsets): an op's row repeats its kernels' time.
+    device_s = (
+        sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e6
+    )
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort, row_limit=25)
+    table = averages.table(sort_by=sort, row_limit=25)
     with out.with_suffix(".profile.txt").open("a") as file:
-        file.write(f"== {label}: {wall * 1e3:.1f} ms under the profiler\n{table}\n")
+        file.write(
+            f"== {label}: {wall * 1e3:.1f} ms under the profiler, "
+            f"{device_s * 1e3:.1f} ms of it on the device\n{table}\n"
+        )
+    return {"wall_s": wall, "device_s": device_s}
+
+
+def count_syncs(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """The synchronising CUDA operations one call makes (torch's sync debug mode), by the line
+    that made them: at each, Python waits for the GPU's queue to drain and the GPU then idles
+    until Python launches again."""
+    if device.type != "cuda":
+        return {}
+    sync(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    places = Counter(
+        f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
+        for w in caught
+        if "synchroniz" in str(w.message)
+    )
+    return {"total": sum(places.values()), "by_line": dict(places.most_common(20))}
 
 
 def sync(device: torch.device) -> None:

@@ -60,7 +60,7 @@ def host_loads(
     reference = None
     row: dict[str, Any] = {"ratio": ratio, "selector": selector_name, "backend": backend}
     for name, (variant, overlap) in variants.items():
-        job = FusionJob(variant, selector, overlap_loads=overlap)
+        job = FusionJob(variant, selector, return_kv=True, overlap_loads=overlap)
 
         def run(job: FusionJob = job) -> Any:
             return fused_prefill_batch(adapter, [job], attention_backend=backend)[0]

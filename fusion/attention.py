@@ -13,7 +13,11 @@ import functools
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_hicache_ext.fusion.scattered_attention import ascending, query_block_attention
+from sglang_hicache_ext.fusion.scattered_attention import (
+    ascending,
+    block_bounds,
+    query_block_attention,
+)
 
 
 def position_causal_attention(
@@ -24,15 +28,26 @@ def position_causal_attention(
     key_positions: torch.Tensor,
     scale: float | None = None,
     backend: str = "torch",
+    causal: bool | None = None,
+    host_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend `query` [q, Hq, D] over `key`/`value` [k, Hkv, D] by position.
 
     Grouped-query attention is handled when Hq is a multiple of Hkv. Returns [q, Hq, Dv].
-    backend: "torch" (SDPA); "flashinfer" (error if unusable); "auto" (FlashInfer for CUDA
-    fp16/bf16 when installed, else torch).
+    backend: "torch" (SDPA); "flashinfer" (error if unusable); "auto" (on CUDA fp16/bf16 with
+    FlashInfer installed, FlashInfer for causal queries and SDPA for scattered ones, whose
+    masked kernel ran 2-3x FlashInfer's custom mask on an H200; else torch).
+    What the caller knows of the layout (the executor tells: on a GPU finding it out reads
+    positions back, and each read-back waits for the queue to drain):
+    causal: True, the keys are positions 0..k-1 and the queries their last q in order (a
+    prefill or an extend); False, keys 0..k-1 and queries at other ascending positions (a
+    fused prefill's selection); None, found from the positions. host_positions: with causal
+    False, the queries' positions in host memory, from which a GPU blocks the queries.
     """
-    if _flashinfer_chosen(backend, query):
-        return _flashinfer_attention(query, key, value, query_positions, key_positions, scale)
+    if _flashinfer_chosen(backend, query) and (backend == "flashinfer" or causal is not False):
+        return _flashinfer_attention(
+            query, key, value, query_positions, key_positions, scale, causal, host_positions
+        )
     if query.shape[0] == 0:
         return query.new_empty((0, query.shape[1], value.shape[-1]))
     if query.is_cuda and query.shape[1] != key.shape[1] and query.shape[0] < key.shape[0]:
@@ -43,19 +58,29 @@ def position_causal_attention(
         value = value.repeat_interleave(group, dim=1)
     q, k, v = _heads_first(query, key, value)
     gqa = q.shape[1] != k.shape[1]
-    keys_from_zero = _is_arange(key_positions)
     prefix_len = key.shape[0] - query.shape[0]
-    new_tokens_last = keys_from_zero and _is_arange(query_positions, start=prefix_len)
+    # Only a GPU takes the caller's word: there each check reads positions back; on the CPU
+    # the checks are cheap and choose among its kernels.
+    told = causal is not None and query.is_cuda
+    if told:
+        keys_from_zero = new_tokens_last = bool(causal)
+    else:
+        keys_from_zero = _is_arange(key_positions)
+        new_tokens_last = keys_from_zero and _is_arange(query_positions, start=prefix_len)
     if new_tokens_last and prefix_len == 0:
         # Plain causal self-attention: let SDPA pick its fused causal kernel.
         out = scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    elif bool(query_positions.min() >= key_positions.max()):
+    elif not told and bool(query_positions.min() >= key_positions.max()):
         # Every query sees every key (decode, or a last-token extend): no mask to build.
         return _attend_all(query, key, value, scale)
     elif new_tokens_last and _cpu_flash_with_lse is not None and q.device.type == "cpu":
         out = _prefix_extend_attention(q, k, v, prefix_len, scale)
     elif keys_from_zero and q.device.type == "cpu" and ascending(query_positions):
         out = query_block_attention(q, k, v, query_positions, key_positions, scale, gqa)
+    elif told and host_positions is not None:
+        out = query_block_attention(
+            q, k, v, query_positions, key_positions, scale, gqa, host_positions
+        )
     else:
         mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
         out = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -220,6 +245,8 @@ def _flashinfer_attention(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
     scale: float | None,
+    causal: bool | None,
+    host_positions: torch.Tensor | None,
 ) -> torch.Tensor:
     import flashinfer
 
@@ -227,10 +254,30 @@ def _flashinfer_attention(
     # views whose heads are not packed.
     query = query.contiguous()
     key, value = key.to(query.dtype).contiguous(), value.to(query.dtype).contiguous()
-    if query.shape[0] == key.shape[0] and _is_arange(query_positions) and _is_arange(key_positions):
+    if causal is None:
+        prefix_len = key.shape[0] - query.shape[0]
+        causal = _is_arange(key_positions) and _is_arange(query_positions, start=prefix_len)
+    if causal:
+        # FlashInfer's causal mask aligns the queries with the last keys: an extend too.
         return flashinfer.single_prefill_with_kv_cache(
             query, key, value, causal=True, sm_scale=scale
         )
+    if causal is False and host_positions is not None:
+        # Keys 0..k-1 and ascending queries: block by block over the keys each block sees.
+        outs = []
+        for start, end, visible in block_bounds(host_positions, True, key.shape[0]):
+            mask = key_positions[:visible].unsqueeze(0) <= query_positions[start:end, None]
+            outs.append(
+                flashinfer.single_prefill_with_kv_cache(
+                    query[start:end],
+                    key[:visible],
+                    value[:visible],
+                    custom_mask=mask,
+                    causal=False,
+                    sm_scale=scale,
+                )
+            )
+        return torch.cat(outs)
     mask = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
     return flashinfer.single_prefill_with_kv_cache(
         query, key, value, custom_mask=mask, causal=False, sm_scale=scale

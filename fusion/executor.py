@@ -265,7 +265,15 @@ def _attend_request(
     if layer in state.job.record_layers:
         state.record_question_attention(q, layer_k, adapter.attn_scale)
     attn = attend(
-        q, layer_k, layer_v, state.q_pos, state.positions, adapter.attn_scale, attention_backend
+        q,
+        layer_k,
+        layer_v,
+        state.q_pos,
+        state.positions,
+        adapter.attn_scale,
+        attention_backend,
+        causal=state.causal,
+        host_positions=state.q_pos_host,
     )
     if state.job.tempered:
         question = state.layout.is_question.to(q.device)[state.active_idx]

@@ -110,7 +110,6 @@ class RequestState:
         # from host memory waits for the GPU's queue to drain, at every layer and chunk.
         self._every_row = [torch.arange(span.length) for span in self.layout.spans]
         self._on_device: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._is_question = self.layout.is_question.to(self.device)
         self._chunk_positions = self.layout.chunk_positions.to(self.device)
         always = ~self.layout.is_chunk
         always[: self.prefix_len] = False
@@ -162,7 +161,7 @@ class RequestState:
     ) -> None:
         """Add the softmax attention of this layer's question queries (post-RoPE, [Q, Hq, D]
         among the active rows) to each chunk token, summed over heads and question tokens."""
-        question = self._is_question[self.active_idx]
+        question = self.question_rows_active
         logits = question_logits(queries[question], self.q_pos[question], keys, scale)
         self.question_rows += logits.shape[0] * logits.shape[1]
         # Summed on the device; `apply_scores` reads it back once, after the last layer.
@@ -262,8 +261,17 @@ class RequestState:
         return None if start is None else hidden[start - self.num_tokens :]
 
     def _set_active(self, active: torch.Tensor) -> None:
-        self.active_idx = torch.nonzero(active).flatten().to(self.device)
+        # The active rows' positions in host memory, and what attention and the scoring pass
+        # need to know of them, found here so that no layer reads the device back: whether
+        # they are the last positions in order (attention's causal case), and which active
+        # rows are the question's.
+        self.q_pos_host = torch.nonzero(active).flatten()
+        self.active_idx = self.q_pos_host.to(self.device)
         self.q_pos = self.positions[self.active_idx]
+        self.causal = bool(active[self.prefix_len :].all())
+        self.question_rows_active = (
+            torch.nonzero(self.layout.is_question[active]).flatten().to(self.device)
+        )
         self._plan_positions: torch.Tensor | None = None
         # Per chunk occurrence, the local rows to load from the store (those not computed).
         self.plan = [

@@ -252,11 +252,15 @@ def question_logits(
 ) -> torch.Tensor:
     """Scaled q.k [heads, queries, keys] of post-RoPE `queries` [Q, Hq, D] at global `positions`
     over `keys` [N, Hkv, D] at 0..N-1; -inf where a key lies after its query."""
-    q = queries.float()
-    k = keys.float().repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q, k) * scale
-    key_pos = torch.arange(k.shape[0], device=k.device)
-    visible = key_pos[None, None, :] <= positions.to(k.device)[None, :, None]
+    num_queries, num_heads, dim = queries.shape
+    group = num_heads // keys.shape[1]
+    # Query head h*group + j reads key head h: grouped, not the keys repeated per query head
+    # (an fp32 copy of every key, group times over, at each scoring layer).
+    q = queries.float().reshape(num_queries, keys.shape[1], group, dim)
+    logits = torch.einsum("qhjd,khd->hjqk", q, keys.float()).reshape(num_heads, num_queries, -1)
+    logits = logits * scale
+    key_pos = torch.arange(keys.shape[0], device=keys.device)
+    visible = key_pos[None, None, :] <= positions.to(keys.device)[None, :, None]
     return logits.masked_fill(~visible, float("-inf"))
 
 

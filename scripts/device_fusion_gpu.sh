@@ -4,10 +4,12 @@
 # put in .whl/ (carried), this package from the working tree, FlashInfer's kernels compiled once
 # (timed), then the benchmark, JSON and log under $OUT. If the run with FlashInfer fails, the
 # torch-attention run still measures fused vs full prefill and the host loads.
-#   device run, carry [".whl"]:  bash scripts/device_fusion_gpu.sh 480
+#   device run, carry [".whl"]:  bash scripts/device_fusion_gpu.sh 480 [benchmark arguments]
 set -uo pipefail
 began=$(date +%s)
 budget=${1:-480}  # seconds after which the benchmark starts no new length
+shift $(( $# > 0 ? 1 : 0 ))
+extra=("$@")  # e.g. --models llama3_8b
 out=${OUT:-/tmp/fusion-gpu-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -22,6 +24,7 @@ export PYTHONPATH=/tmp/namespace:/tmp/site:$PWD PYTHONUNBUFFERED=1 MAX_JOBS=16 H
 # device bug stops the run here, before minutes of kernel compilation.
 python3 -m benchmarks.fusion_gpu --small --device cuda --backends torch --ratios 0.15 \
     --out "$out/smoke.json" > "$out/smoke.txt" 2>&1 || { tail -30 "$out/smoke.txt"; exit 1; }
+rm -f "$out/smoke.png"  # the device tool brings back 8 files at most
 echo "smoke (tiny model on CUDA, torch attention): passed"
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
     --format=csv,noheader | tee "$out/gpu.txt"
@@ -56,10 +59,11 @@ left=$(( budget - ($(date +%s) - began) ))
 # 16K first: the length the acceptance reads; one fused call there is profiled. `freq` selects
 # before layer 0 (no scoring pass): the fused prefill's cost without the question's first pass.
 if ! python3 -m benchmarks.fusion_gpu --lengths 16384 4096 32768 --profile-length 16384 \
-        --selectors question_attention freq --budget-s "$left" --out "$out/fusion_gpu.json" \
-        2>&1 | tee "$out/log.txt"; then
+        --host-lengths 16384 --selectors question_attention freq --budget-s "$left" \
+        --out "$out/fusion_gpu.json" "${extra[@]}" 2>&1 | tee "$out/log.txt"; then
     left=$(( budget - ($(date +%s) - began) ))
     python3 -m benchmarks.fusion_gpu --lengths 16384 4096 32768 --backends torch --budget-s "$left" \
-        --out "$out/fusion_gpu_torch.json" 2>&1 | tee "$out/log_torch.txt"
+        --host-lengths 16384 --selectors question_attention freq \
+        --out "$out/fusion_gpu_torch.json" "${extra[@]}" 2>&1 | tee "$out/log_torch.txt"
 fi
 echo "device script: $(( $(date +%s) - began )) s"

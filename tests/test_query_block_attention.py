@@ -99,6 +99,29 @@ def test_first_query_at_position_zero_and_block_edges() -> None:
     )
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["spread", "late"])
+def test_gpu_blocks_from_host_positions_equal_one_masked_call(late: bool) -> None:
+    """The GPU's blocks (few and large, key counts rounded up to 16, bounds read from a host
+    copy of the positions), run here on the CPU: the same output as one masked call."""
+    torch.manual_seed(10)
+    num_keys = 3 * scattered_attention.GPU_MIN_BLOCK * scattered_attention.GPU_BLOCKS // 2 + 7
+    count = 2 * scattered_attention.GPU_MIN_BLOCK * scattered_attention.GPU_BLOCKS // 2 + 5
+    q_pos = _scattered(num_keys, count, 11, late=late)
+    bounds = scattered_attention.block_bounds(q_pos, True, num_keys)
+    assert [b[0] for b in bounds[1:]] == [b[1] for b in bounds[:-1]] and bounds[-1][1] == count
+    assert len(bounds) == scattered_attention.GPU_BLOCKS
+    for _, end, visible in bounds:
+        assert int(q_pos[end - 1]) < visible <= num_keys
+        assert visible % 16 == 0 or visible == num_keys
+    q, k, v = torch.randn(count, 8, 16), torch.randn(num_keys, 2, 16), torch.randn(num_keys, 2, 16)
+    heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    out = scattered_attention.query_block_attention(
+        *heads_first, q_pos, torch.arange(num_keys), 0.25, True, q_pos.clone(), gpu_blocks=True
+    )
+    expected = _one_masked_call(q, k, v, q_pos, torch.arange(num_keys), 0.25)
+    torch.testing.assert_close(out.squeeze(0).transpose(0, 1), expected, atol=1e-6, rtol=1e-6)
+
+
 def test_unsorted_queries_keep_the_one_call_path() -> None:
     """Blocks assume ascending positions; any other order is still answered exactly."""
     torch.manual_seed(4)
