@@ -315,21 +315,28 @@ def plot(report: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
-    for model in report["models"]:
+    models = report["models"]
+    figure, axes = plt.subplots(1, len(models) + 1, figsize=(5 * (len(models) + 1), 4), dpi=110)
+    *lefts, right = axes
+    styles = {"torch": "-", "flashinfer": "--"}  # colour: selector and ratio; line: backend
+    for left, model in zip(lefts, models, strict=True):
         rows = sorted(model["results"], key=lambda r: r["tokens"])
-        for key in rows[0]["fused"] if rows else ():
+        for colour, key in enumerate(rows[0]["fused"] if rows else ()):
             for backend in rows[0]["fused"][key]:
                 xs = [r["tokens"] for r in rows]
                 ys = [r["fused"][key][backend]["ttft_vs_full"] for r in rows]
-                left.plot(xs, ys, marker="o", label=f"{model['name']} {key} ({backend})")
-    left.axhline(1.0, color="grey", linewidth=1)
-    left.axhline(0.25, color="grey", linestyle=":", linewidth=1)
-    left.set_xscale("log", base=2)
-    left.set_xlabel("prompt tokens")
-    left.set_ylabel("fused TTFT ÷ full prefill")
-    left.legend(fontsize=7)
-    left.grid(alpha=0.3)
+                left.plot(
+                    xs, ys, styles.get(backend, ":"), marker="o", color=f"C{colour}",
+                    label=f"{key} ({backend})",
+                )  # fmt: skip
+        left.axhline(1.0, color="grey", linewidth=1)
+        left.axhline(0.25, color="grey", linestyle=":", linewidth=1)
+        left.set_xscale("log", base=2)
+        left.set_xlabel("prompt tokens")
+        left.set_ylabel("fused TTFT ÷ full prefill")
+        left.set_title(model["name"], fontsize=9)
+        left.legend(fontsize=6)
+        left.grid(alpha=0.3)
     variants = ("gpu", "host_serial", "host_overlapped", "host_overlapped_sparse", "host_plain")
     hosts = [
         (f"{m['name']} {r['tokens']}\n{selector}", loads)
