@@ -47,7 +47,6 @@ SHADOW_QUEUE = 8
 
 SHARED_SERVERS = SharedServers()
 SERVER_FORKS = contextlib.ExitStack()
-ZYGOTE_DIR = Path(tempfile.mkdtemp(prefix="server-zygote-"))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -56,7 +55,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     SHARED_SERVERS.start_session()
     # Servers are forked from one process that imports SGLang once (tests/server_zygote.py);
     # it imports on the other core while the first tests run.
-    SERVER_FORKS.enter_context(server_starter(SERVER_FORKS.enter_context(zygote(ZYGOTE_DIR)).start))
+    # Its socket and log live in a folder removed at the session's end (one was left in /tmp
+    # per worker and run before).
+    socket_dir = Path(SERVER_FORKS.enter_context(tempfile.TemporaryDirectory(prefix="zygote-")))
+    SERVER_FORKS.enter_context(server_starter(SERVER_FORKS.enter_context(zygote(socket_dir)).start))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
