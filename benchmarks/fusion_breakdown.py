@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,13 +118,27 @@ def build_variants(
         variants["base"] = Variant(
             installed_executor,
             [
-                (installed_executor, "attend", attention.position_causal_attention),
+                (
+                    installed_executor,
+                    "attend",
+                    _without_layout(attention.position_causal_attention),
+                ),
                 (adapter_module, "apply_rope", rope.apply_rope),
             ],
         )
     if executor_file is not None:
         variants["patched"] = Variant(module_from_file("patched_executor", executor_file))
     return variants
+
+
+def _without_layout(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """An older revision's attention under today's executor, which also tells it the layout
+    (`causal`, `host_positions`): revisions before 805434a took no such arguments."""
+
+    def call(*args: Any, causal: bool | None = None, host_positions: Any = None) -> torch.Tensor:
+        return attend(*args)
+
+    return call
 
 
 class Request:

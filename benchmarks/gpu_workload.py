@@ -94,8 +94,9 @@ def profile_call(
     fn: Callable[[], Any], device: torch.device, out: Path, label: str
 ) -> dict[str, float]:
     """One call under torch's profiler; the ops that took the most time, appended to
-    <out>.profile.txt. Returns the call's wall time and the time the GPU ran kernels in it:
-    their gap is where a fused prefill waits on Python or on read-backs, not on kernels."""
+    <out>.profile.txt. Returns the call's wall time and the device's time in it (kernels,
+    copies and memsets summed; work on overlapping streams counts twice): on one stream their
+    gap is where a fused prefill waits on Python or on read-backs, not on the device."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]

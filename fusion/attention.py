@@ -28,6 +28,7 @@ def position_causal_attention(
     key_positions: torch.Tensor,
     scale: float | None = None,
     backend: str = "torch",
+    *,
     causal: bool | None = None,
     host_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -35,8 +36,8 @@ def position_causal_attention(
 
     Grouped-query attention is handled when Hq is a multiple of Hkv. Returns [q, Hq, Dv].
     backend: "torch" (SDPA); "flashinfer" (error if unusable); "auto" (on CUDA fp16/bf16 with
-    FlashInfer installed, FlashInfer for causal queries and SDPA for scattered ones, whose
-    masked kernel ran 2-3x FlashInfer's custom mask on an H200; else torch).
+    FlashInfer installed, FlashInfer for causal queries and SDPA for scattered ones: on an H200
+    FlashInfer's custom-mask kernel took about twice SDPA's masked one; else torch).
     What the caller knows of the layout (the executor tells: on a GPU finding it out reads
     positions back, and each read-back waits for the queue to drain):
     causal: True, the keys are positions 0..k-1 and the queries their last q in order (a
@@ -265,7 +266,7 @@ def _flashinfer_attention(
     if causal is False and host_positions is not None:
         # Keys 0..k-1 and ascending queries: block by block over the keys each block sees.
         outs = []
-        for start, end, visible in block_bounds(host_positions, True, key.shape[0]):
+        for start, end, visible in block_bounds(host_positions, gpu=True, num_keys=key.shape[0]):
             mask = key_positions[:visible].unsqueeze(0) <= query_positions[start:end, None]
             outs.append(
                 flashinfer.single_prefill_with_kv_cache(

@@ -207,7 +207,7 @@ class RequestState:
     def note_kv_deviation(self, layer: int, fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
         """Record how far this layer's pre-RoPE K/V of computed chunk tokens (rows of the
         active tokens) lie from their stored rows (`fidelity_signals`)."""
-        positions = self.active_idx.cpu()
+        positions = self.q_pos_host
         deviation = chunk_rows_deviation(self.layout.spans, positions, fresh_k, fresh_v, layer)
         if deviation is not None:
             self.signals[f"kv_deviation_l{layer}"] = deviation
@@ -247,11 +247,14 @@ class RequestState:
             self.loader.submit(layer, index, span.chunk, span_rows)
 
     def narrow(self, selected: torch.Tensor) -> torch.Tensor:
-        """At the narrowing layer: keep the selection; returns which current rows stay."""
+        """At the narrowing layer: keep the selection; returns the indices of the current rows
+        that stay."""
         self.selected = selected
         self.narrowed = True
         active = _with_selected(self.always, selected)
-        keep = active.to(self.device)[self.active_idx]
+        # Which current rows stay, as indices found on the host: a boolean mask on the device
+        # would be read back to count them.
+        keep = torch.nonzero(active[self.q_pos_host]).flatten().to(self.device)
         self._set_active(active)
         return keep
 
@@ -268,7 +271,9 @@ class RequestState:
         self.q_pos_host = torch.nonzero(active).flatten()
         self.active_idx = self.q_pos_host.to(self.device)
         self.q_pos = self.positions[self.active_idx]
-        self.causal = bool(active[self.prefix_len :].all())
+        # Ascending and distinct: they are the last rows exactly when the first is N - n.
+        count = self.q_pos_host.numel()
+        self.causal = count > 0 and int(self.q_pos_host[0]) == self.layout.num_tokens - count
         self.question_rows_active = (
             torch.nonzero(self.layout.is_question[active]).flatten().to(self.device)
         )

@@ -10,13 +10,15 @@ selection, so the per-layer compare and fill passes over the [q, k] mask go away
 On a GPU the blocks are fewer and larger (a call must fill the chip), their bounds come from a
 host copy of the positions and the mask is found by the positions tensors' identity: reading
 positions back from the GPU would drain its queue at every layer (H200, Llama-3-8B shapes, 16K
-tokens, r = 0.15: one masked call per layer spent 2.0 ms on the masked-out half of the pairs).
+tokens, r = 0.15: one masked call over every key took 2.0 ms a layer, half of it on pairs that
+the mask then throws away).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -24,8 +26,8 @@ from torch.nn.functional import scaled_dot_product_attention
 # Queries per SDPA call: small enough that a block's keys end near its queries, large enough
 # that each call keeps both cores busy over the heads and the calls stay few.
 QUERY_BLOCK = 128
-# On a GPU: this many blocks (computing (1 + 1/n) / 2 of the query x key pairs), none smaller
-# than GPU_MIN_BLOCK queries, below which a call no longer fills an H100/H200.
+# On a GPU: this many blocks (computing (1 + 1/n) / 2 of the query x key pairs), of at least
+# GPU_MIN_BLOCK queries (the last one excepted), below which a call no longer fills an H200.
 GPU_BLOCKS = 8
 GPU_MIN_BLOCK = 256
 
@@ -53,7 +55,7 @@ def query_block_attention(
     mask = _mask_cache.get(query_positions, key_positions, q.dtype)
     outs = []
     for start, end, visible in block_bounds(
-        query_positions if host_positions is None else host_positions, gpu, k.shape[2]
+        query_positions if host_positions is None else host_positions, gpu=gpu, num_keys=k.shape[2]
     ):
         block_mask = mask[start:end, :visible]
         if gpu:
@@ -73,7 +75,7 @@ def query_block_attention(
 
 
 def block_bounds(
-    positions: torch.Tensor, gpu: bool, num_keys: int | None = None
+    positions: torch.Tensor, *, gpu: bool, num_keys: int | None = None
 ) -> list[tuple[int, int, int]]:
     """(first query, end query, keys seen) of each block of ascending `positions`; on a GPU
     the keys seen are rounded up to a multiple of 16 (at most `num_keys`), the alignment its
@@ -90,59 +92,79 @@ def block_bounds(
     return bounds
 
 
-# The positions a mask was built for: a copy (CPU, compared by value) or a reference (GPU).
-Kept = torch.Tensor | weakref.ref[torch.Tensor]
+# The positions a mask was built for: a copy (CPU, compared by value) or a reference (GPU,
+# compared by identity).
+PositionsKey = torch.Tensor | weakref.ref[torch.Tensor]
 
 
-class _LastMask:
-    """The additive causal-by-position mask of the last pair of positions seen.
+@dataclass(eq=False)
+class _Entry:
+    queries: PositionsKey
+    keys: PositionsKey
+    mask: torch.Tensor
+    finalizer: weakref.finalize | None = None
 
-    Kept with copies of the positions it was built for: a hit compares them (a few thousand
-    integers, no pass over the mask), so a mask is never used for other positions. Dropped when
-    the caller's query positions tensor is freed (the end of a request), so a long prompt's mask
-    does not outlive it."""
+
+class _RecentMasks:
+    """The additive causal-by-position masks of the last few pairs of positions seen: one per
+    request of a batched prefill, whose requests take turns at every layer.
+
+    On the CPU an entry keeps copies of its positions and a hit compares them (a few thousand
+    integers, no pass over the mask), so a mask is never used for other positions. On a GPU it
+    keeps references and a hit is the same tensors: comparing values would read the GPU back at
+    every layer. A caller on a GPU must therefore never change a positions tensor in place (the
+    executor builds them per request; RoPE's tables rely on the same). An entry is dropped when
+    its query positions are freed (the end of a request) or when newer ones push it out, so a
+    long prompt's mask does not outlive it."""
+
+    SIZE = 4
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entry: tuple[Kept, Kept, torch.Tensor] | None = None
+        # Reentrant: a finalizer (`_drop`) can run inside `get`, when an allocation there
+        # triggers the cycle collector.
+        self._lock = threading.RLock()
+        self._entries: list[_Entry] = []
 
     def get(
         self, query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         with self._lock:
-            entry = self._entry
-            if (
-                entry is not None
-                and entry[2].dtype == dtype
-                and entry[2].device == query_positions.device
-                and _same(entry[0], query_positions)
-                and _same(entry[1], key_positions)
-            ):
-                return entry[2]
+            for entry in self._entries:
+                if (
+                    entry.mask.dtype == dtype
+                    and entry.mask.device == query_positions.device
+                    and _same(entry.queries, query_positions)
+                    and _same(entry.keys, key_positions)
+                ):
+                    return entry.mask
             hidden = key_positions.unsqueeze(0) > query_positions.unsqueeze(1)
             mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
             mask.masked_fill_(hidden, float("-inf"))
             if query_positions.is_cuda:
-                # Found again by identity: comparing values would read the GPU back. The
-                # executor builds position tensors per request and never changes them in
-                # place (RoPE's tables rely on the same).
-                entry = (weakref.ref(query_positions), weakref.ref(key_positions), mask)
+                entry = _Entry(weakref.ref(query_positions), weakref.ref(key_positions), mask)
             else:
-                entry = (query_positions.clone(), key_positions.clone(), mask)
-            self._entry = entry
-            weakref.finalize(query_positions, self._drop, entry)
+                entry = _Entry(query_positions.clone(), key_positions.clone(), mask)
+            entry.finalizer = weakref.finalize(query_positions, self._drop, entry)
+            self._entries.insert(0, entry)
+            for old in self._entries[self.SIZE :]:
+                assert old.finalizer is not None
+                old.finalizer.detach()  # its mask goes now, not with its positions
+            del self._entries[self.SIZE :]
             return mask
 
-    def _drop(self, entry: tuple[Kept, Kept, torch.Tensor]) -> None:
+    def _drop(self, entry: _Entry) -> None:
         with self._lock:
-            if self._entry is entry:
-                self._entry = None
+            if entry in self._entries:
+                self._entries.remove(entry)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
-def _same(kept: Kept, positions: torch.Tensor) -> bool:
+def _same(kept: PositionsKey, positions: torch.Tensor) -> bool:
     if isinstance(kept, weakref.ref):
         return kept() is positions
     return kept.shape == positions.shape and bool(torch.equal(kept, positions))
 
 
-_mask_cache = _LastMask()
+_mask_cache = _RecentMasks()

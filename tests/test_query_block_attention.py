@@ -107,7 +107,7 @@ def test_gpu_blocks_from_host_positions_equal_one_masked_call(late: bool) -> Non
     num_keys = 3 * scattered_attention.GPU_MIN_BLOCK * scattered_attention.GPU_BLOCKS // 2 + 7
     count = 2 * scattered_attention.GPU_MIN_BLOCK * scattered_attention.GPU_BLOCKS // 2 + 5
     q_pos = _scattered(num_keys, count, 11, late=late)
-    bounds = scattered_attention.block_bounds(q_pos, True, num_keys)
+    bounds = scattered_attention.block_bounds(q_pos, gpu=True, num_keys=num_keys)
     assert [b[0] for b in bounds[1:]] == [b[1] for b in bounds[:-1]] and bounds[-1][1] == count
     assert len(bounds) == scattered_attention.GPU_BLOCKS
     for _, end, visible in bounds:
@@ -163,4 +163,4 @@ def test_kept_mask_follows_the_positions() -> None:
     assert scattered_attention._mask_cache.get(q_pos, k_pos, torch.float32) is not kept
     del q_pos
     gc.collect()
-    assert scattered_attention._mask_cache._entry is None, "the mask goes with its positions"
+    assert len(scattered_attention._mask_cache) == 0, "the masks go with their positions"

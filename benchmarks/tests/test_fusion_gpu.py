@@ -30,7 +30,7 @@ def test_small_benchmark_writes_results(tmp_path: Path) -> None:
     # Scored by a first pass, so every layer computes the selection and the non-chunk tokens.
     assert fused["computed_tokens_per_layer"] == [512 - row["chunk_tokens"] + expected] * 4
     assert fused["vs_full"]["max_logit_diff"] > 0  # an approximation of the full prefill
-    host = row["host_loads"]
+    host = row["host_loads_by_selector"]["question_attention"]
     variants = ("host_serial", "host_overlapped", "host_overlapped_sparse", "host_plain")
     assert all(host[name]["identical_to_gpu"] for name in variants)
     assert host["hidden_share"] is None  # no bus on the CPU
