@@ -383,38 +383,3 @@ def test_scores_of_every_layer_at_once_equal_the_per_layer_scores(tokens: int) -
     torch.testing.assert_close(at_once, per_layer)
     assert at_once.stride() == per_layer.stride()  # stored files take the bytes row-major
     assert len(tensor_bytes(at_once)) == 4 * 5 * tokens
-
-
-@pytest.mark.parametrize("prefix_len", [0, 10, 60])
-def test_layout_told_to_attention_matches_the_positions(
-    models: dict, prefix_len: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On a GPU attention takes the executor's word for the layout (no read-back): `causal`
-    only when the queries are the last rows in order, `host_positions` always the queries'
-    positions. Every selector kind (check layer, scoring pass, before layer 0), with and without
-    an exact prefix, alone and batched."""
-    from sglang_hicache_ext.fusion import executor
-
-    adapter = models["llama"]
-    segments, ids = _rag_request(adapter)
-    prefix = _hf_prefix(adapter, ids[:prefix_len]) if prefix_len else None
-    told = []
-
-    def checked(q, k, v, q_pos, k_pos, scale, backend, *, causal, host_positions):
-        assert torch.equal(host_positions, q_pos.cpu()) and torch.equal(k_pos, torch.arange(len(k)))
-        assert bool(torch.all(q_pos[1:] > q_pos[:-1]))
-        last_rows = torch.equal(q_pos, torch.arange(len(k) - len(q), len(k)))
-        assert causal == last_rows
-        told.append(causal)
-        return attend(q, k, v, q_pos, k_pos, scale, backend)
-
-    monkeypatch.setattr(executor, "attend", checked)
-    jobs = [
-        FusionJob(segments, make_selector(name, 0.3), exact_prefix=prefix)
-        for name in ("full", "reuse", "a3", "cacheblend", "freq", "question_attention")
-    ]
-    for job in jobs:
-        fused_prefill_batch(adapter, [job])
-    fused_prefill_batch(adapter, jobs)
-    # A prefix into the question leaves only question rows: the last ones, always causal.
-    assert True in told and (False in told) == (prefix_len < 55)

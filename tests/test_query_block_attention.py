@@ -4,7 +4,9 @@ The fused prefill's queries sit at scattered, ascending positions; `position_cau
 splits them into blocks and gives each block the keys up to its last query's position, with the
 mask built once per pair of position tensors. These tests pin that this changes nothing but the
 work: the output equals a float64 dense softmax and the one-call masked SDPA it replaces, across
-block edges, with MHA and GQA, and a kept mask is never used for other positions.
+block edges, with MHA and GQA, and a kept mask is never used for other positions; and that
+what the executor tells attention of the layout (on a GPU, instead of reading positions back)
+is what the positions say.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_hicache_ext.fusion import attention, scattered_attention
+from sglang_hicache_ext.fusion import attention, executor, scattered_attention
 from sglang_hicache_ext.fusion.attention import position_causal_attention
+from sglang_hicache_ext.fusion.executor import FusionJob, fused_prefill_batch
+from sglang_hicache_ext.fusion.selectors import make_selector
+from tests.test_fusion_executor import _hf_prefix, _rag_request
 from tests.test_position_attention import reference_attention
 
 
@@ -164,3 +169,37 @@ def test_kept_mask_follows_the_positions() -> None:
     del q_pos
     gc.collect()
     assert len(scattered_attention._mask_cache) == 0, "the masks go with their positions"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("prefix_len", [0, 10, 60])
+def test_layout_told_to_attention_matches_the_positions(
+    models: dict, prefix_len: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU attention takes the executor's word for the layout (no read-back): `causal`
+    only when the queries are the last rows in order, `host_positions` always the queries'
+    positions. Every selector kind (check layer, scoring pass, before layer 0), with and without
+    an exact prefix, alone and batched."""
+    adapter = models["llama"]
+    segments, ids = _rag_request(adapter)
+    prefix = _hf_prefix(adapter, ids[:prefix_len]) if prefix_len else None
+    told = []
+
+    def checked(q, k, v, q_pos, k_pos, scale, backend, *, causal, host_positions):
+        assert torch.equal(host_positions, q_pos.cpu()) and torch.equal(k_pos, torch.arange(len(k)))
+        assert bool(torch.all(q_pos[1:] > q_pos[:-1]))
+        last_rows = torch.equal(q_pos, torch.arange(len(k) - len(q), len(k)))
+        assert causal == last_rows
+        told.append(causal)
+        return attention.attend(q, k, v, q_pos, k_pos, scale, backend)
+
+    monkeypatch.setattr(executor, "attend", checked)
+    jobs = [
+        FusionJob(segments, make_selector(name, 0.3), exact_prefix=prefix)
+        for name in ("full", "reuse", "a3", "cacheblend", "freq", "question_attention")
+    ]
+    for job in jobs:
+        fused_prefill_batch(adapter, [job])
+    fused_prefill_batch(adapter, jobs)
+    # A prefix into the question leaves only question rows: the last ones, always causal.
+    assert True in told and (False in told) == (prefix_len < 55)
