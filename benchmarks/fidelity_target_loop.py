@@ -17,7 +17,8 @@ other questions, all registered), medians.
     python -m benchmarks.fidelity_target_loop --targets 0.85,0.95 --requests 150
 -> benchmarks/results/fidelity_target_loop_qwen.json, .png
 
-`--append` adds targets run in another session to the report; `--append --ttft-at R` measures
+`--append` adds targets run in another session to the report (a target run again replaces its
+earlier run, kept under `superseded_runs`); `--append --ttft-at R` measures
 only the TTFT at ratio R for the named targets' runs (the same prompts: keep `--requests`).
 `--model smollm2` runs the same loop on SmolLM2-135M (about 8x faster on this CPU, answers
 that say little: its figures show the controller at work, not Qwen2.5's fidelity).
@@ -300,6 +301,10 @@ def main() -> int:
                     args.min_tokens,
                     stop,
                 )
+        if args.append:  # a target run again replaces its earlier run, which is kept aside
+            earlier = [r for r in report["runs"] if r["summary"]["target"] == target]
+            report.setdefault("superseded_runs", []).extend(earlier)
+            report["runs"] = [r for r in report["runs"] if r["summary"]["target"] != target]
         report["runs"].append(
             {
                 "summary": summary,
