@@ -1,23 +1,27 @@
-"""A trained trailer per stored chunk (issue 43, first step): k soft rows after every document,
-distilled against the model's own full prefill, the base model frozen.
+"""A trained trailer per stored chunk (issue 43): k soft rows after every document, distilled
+against the model's own full prefill, the base model frozen.
 
-The design is research/README.md's "Planned: a trained trailer per chunk". This first step
-trains and measures at r = 0 (pure reuse: the prompt's text is computed, every chunk row is
-reused), where the fused prefill is small enough to differentiate through here:
+The design is research/README.md's "A trained trailer per chunk":
 
 - each chunk is precomputed after the chat header (`+prefix`, as the default serves it); its
   trailer is `rows` embeddings placed after the document and run through the frozen model
   against the document's rows, so its K/V depend on the document (`trailer_chunk`);
-- the student is the r = 0 fused prefill (`reuse_forward`: text tokens computed at every layer
-  over the stored rows at their global positions), the teacher the full prefill of the same
-  prompt without trailers; the loss is KL(teacher || student) over the question and the teacher's
-  greedy answer (teacher-forced);
-- measured through the real executor (`evaluation/fused_answers.run_method`, `ReuseSelector`):
-  the trailer rows are simply more chunk rows, which r = 0 never recomputes. Before training,
-  `reuse_forward` is checked against the executor (same logits) and its gradient against a
-  finite difference.
+- the student is the fused prefill at `--ratio` with its selection replayed fixed
+  (`fused_forward`: the text and the selected chunk tokens computed at every layer over the
+  stored rows at their global positions; r = 0 selects nothing). The selection is the server's
+  default selector's, run by the real executor on the prompt each step, with the trailer rows
+  never selected and not counted in the budget (`TrailerExcluded`: r stays a share of the
+  documents' tokens). The teacher is the full prefill of the same prompt without trailers; the
+  loss is KL(teacher || student) over the question and the teacher's greedy answer
+  (teacher-forced);
+- measured through the real executor (`evaluation/fused_answers.run_method`) on held-out
+  questions as the retention harness measures (reuse of plain chunks, the default at the ratio,
+  the default with the trailer; `evaluation/retention.summarise`: KL gap closed, whole-answer
+  and token agreement, F1 retention, each with its interval). Before training, `fused_forward`
+  is checked against the executor (same logits) and its gradient against a finite difference.
 
     python -m research.chunk_trailer --model smollm2 --train 8 --eval 8 --epochs 20
+    python -m research.chunk_trailer --model smollm2 --ratio 0.15 --train 8 --eval 8 --epochs 4 --threads 2
 """
 
 from __future__ import annotations
@@ -35,14 +39,25 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.fusion_quality import chat_prefix
-from benchmarks.fusion_retention import MODELS, SEED, load_model
+from benchmarks.fusion_retention import MODELS, SEED, load_model, measure
 from benchmarks.retention_chunks import question_segments
-from sglang_hicache_ext.evaluation.fused_answers import run_method, teacher_forced_kl
+from benchmarks.retention_methods import DEFAULT_SELECTOR, DEFAULT_SINK_TOKENS
+from sglang_hicache_ext.evaluation.answer_quality import f1_score
+from sglang_hicache_ext.evaluation.fused_answers import run_method
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
+from sglang_hicache_ext.evaluation.retention import summarise
 from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
+from sglang_hicache_ext.fusion.executor import fused_prefill
+from sglang_hicache_ext.fusion.request import (
+    ChunkSegment,
+    RequestLayout,
+    Segment,
+    TextSegment,
+    build_layout,
+)
+from sglang_hicache_ext.fusion.selectors import SelectionContext, Selector
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ANSWER_TOKENS = 16
@@ -68,44 +83,86 @@ def attention(
     return out.transpose(0, 1)
 
 
-def reuse_forward(adapter: ModelAdapter, segments: Sequence[Segment]) -> torch.Tensor:
-    """Logits [text tokens, vocab] of the r = 0 fused prefill: every text token computed at
-    every layer, every chunk row reused (keys rotated to its global position)."""
-    pieces: list[tuple[bool, Any, int]] = []  # (is text, ids or chunk, start)
-    position = 0
+def fused_forward(
+    adapter: ModelAdapter, segments: Sequence[Segment], selected: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits [computed tokens, vocab] of the fused prefill with a fixed selection: every text
+    token and the chunk tokens at the global positions `selected` computed at every layer, every
+    other chunk row reused (keys rotated to its global position); r = 0 when nothing is selected.
+    The rows are in position order, so the last ones are the text after the last chunk."""
+    ids_at: list[int] = []
+    is_text: list[bool] = []
+    stored: list[PrecomputedChunk | int] = []  # each segment's chunk, or its text length
     for segment in segments:
         if isinstance(segment, TextSegment):
-            pieces.append((True, segment.token_ids, position))
-            position += len(segment.token_ids)
+            ids_at.extend(segment.token_ids)
+            is_text.extend([True] * len(segment.token_ids))
+            stored.append(len(segment.token_ids))
         else:
-            pieces.append((False, segment.chunk, position))
-            position += segment.chunk.num_tokens
-    everything = torch.arange(position)
-    text_pos = torch.cat([torch.arange(s, s + len(p)) for text, p, s in pieces if text])
-    ids = torch.tensor([t for text, p, _ in pieces if text for t in p])
-    hidden = adapter.embed(ids)
+            ids_at.extend(segment.chunk.token_ids)
+            is_text.extend([False] * segment.chunk.num_tokens)
+            stored.append(segment.chunk)
+    total = len(ids_at)
+    computed = torch.tensor(is_text)
+    if selected is not None and selected.numel():
+        computed[selected] = True
+    comp_pos = torch.nonzero(computed).flatten()
+    everything = torch.arange(total)
+    hidden = adapter.embed(torch.tensor(ids_at)[comp_pos])
     for layer in range(adapter.shape.num_layers):
         q, k, v = adapter.attention_inputs(layer, hidden)
-        keys, values, used = [], [], 0
-        for text, piece, _ in pieces:
-            if text:
-                keys.append(k[used : used + len(piece)])
-                values.append(v[used : used + len(piece)])
-                used += len(piece)
-            else:
-                keys.append(piece.keys[layer])
-                values.append(piece.values[layer])
-        all_k = adapter.rotate(torch.cat(keys), everything)
+        # The stored rows at every chunk position (zeros at text), the computed rows over them.
+        base_k = torch.cat(
+            [
+                k.new_zeros((p, *k.shape[1:])) if isinstance(p, int) else p.keys[layer].to(k.dtype)
+                for p in stored
+            ]
+        )
+        base_v = torch.cat(
+            [
+                v.new_zeros((p, *v.shape[1:]))
+                if isinstance(p, int)
+                else p.values[layer].to(v.dtype)
+                for p in stored
+            ]
+        )
+        all_k = base_k.index_put((comp_pos,), k)
+        all_v = base_v.index_put((comp_pos,), v)
         attn = attention(
-            adapter.rotate(q, text_pos),
-            all_k,
-            torch.cat(values),
-            text_pos,
+            adapter.rotate(q, comp_pos),
+            adapter.rotate(all_k, everything),
+            all_v,
+            comp_pos,
             everything,
             adapter.attn_scale,
         )
         hidden = adapter.attention_output(layer, hidden, attn)
     return adapter.logits(hidden)
+
+
+class TrailerExcluded(Selector):
+    """`inner`'s choice with every chunk's last `rows` rows (its trailer) never selected and not
+    counted in the budget, so r keeps its meaning: a share of the documents' tokens."""
+
+    def __init__(self, inner: Selector, rows: int) -> None:
+        super().__init__(inner.ratio, inner.sink_tokens, inner.fresh_layers)
+        self.inner, self.rows = inner, rows
+        self.name = inner.name  # type: ignore[misc]
+        self.check_layer = inner.check_layer  # type: ignore[misc]
+        self.per_chunk = inner.per_chunk  # type: ignore[misc]
+
+    def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self.inner.scoring_layers(num_layers)
+
+    def budget(self, layout: RequestLayout) -> int:
+        documents = layout.num_chunk_tokens - self.rows * len(layout.spans)
+        return round(self.ratio * documents)
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        scores = self.inner.score(ctx).float()
+        local = torch.cat([torch.arange(span.length) for span in ctx.layout.spans])
+        lengths = torch.cat([torch.full((span.length,), span.length) for span in ctx.layout.spans])
+        return scores.masked_fill((local >= lengths - self.rows).to(scores.device), float("-inf"))
 
 
 @dataclass
@@ -218,7 +275,7 @@ def prepare(
         for t in (s.token_ids if isinstance(s, TextSegment) else s.chunk.token_ids)
     ] + list(answer)
     with torch.no_grad():
-        teacher = reuse_forward(adapter, [TextSegment(tuple(ids))])[-len(tail_ids) :]
+        teacher = fused_forward(adapter, [TextSegment(tuple(ids))])[-len(tail_ids) :]
     return Question(example, segments, contexts, answer, teacher, len(tail_ids))
 
 
@@ -234,11 +291,34 @@ def student_segments(
     return out
 
 
+def method_selector(ratio: float, trailer_rows: int) -> Selector:
+    """The server's default selector at `ratio` (reuse at 0); with a trailer, never its rows."""
+    if ratio == 0:
+        return make_selector("reuse", 0.0)
+    inner = make_selector(DEFAULT_SELECTOR, ratio, sink_tokens=DEFAULT_SINK_TOKENS)
+    return TrailerExcluded(inner, trailer_rows) if trailer_rows else inner
+
+
+def selection(
+    adapter: ModelAdapter, segments: Sequence[Segment], selector: Selector
+) -> torch.Tensor | None:
+    """The executor's choice on the prompt (no gradient through it: replayed fixed)."""
+    if selector.ratio == 0:
+        return None
+    return fused_prefill(adapter, segments, selector).selected.cpu()
+
+
 def loss_of(
-    adapter: ModelAdapter, question: Question, trailer: torch.Tensor | None, pad_id: int
+    adapter: ModelAdapter,
+    question: Question,
+    trailer: torch.Tensor | None,
+    pad_id: int,
+    ratio: float = 0.0,
 ) -> torch.Tensor:
     segments = student_segments(adapter, question, trailer, pad_id)
-    logits = reuse_forward(adapter, [*segments, TextSegment(question.teacher_answer)])
+    rows = 0 if trailer is None else trailer.shape[0]
+    selected = selection(adapter, segments, method_selector(ratio, rows))
+    logits = fused_forward(adapter, [*segments, TextSegment(question.teacher_answer)], selected)
     student = logits[-question.tail :].log_softmax(-1)
     teacher = question.teacher_logits.log_softmax(-1)
     return (teacher.exp() * (teacher - student)).sum(-1).mean()
@@ -246,13 +326,18 @@ def loss_of(
 
 def measured(
     adapter: ModelAdapter,
+    tokenizer: Any,
     question: Question,
-    trailer: torch.Tensor | None,
+    trailer: torch.Tensor,
     pad_id: int,
     stop: set[int],
-) -> dict[str, float]:
-    """Through the real executor at r = 0: KL along the full prefill's answer, and whether the
-    greedy answer is the full prefill's."""
+    ratio: float,
+) -> dict[str, Any]:
+    """One held-out question through the real executor, as the retention harness measures it
+    (`benchmarks.fusion_retention.measure`: F1, whole-answer and token agreement, KL along the
+    full prefill's answer): reuse of plain chunks (the KL gap's reference), the default at
+    `ratio` on `+prefix` chunks, and the same with the trailer."""
+    example = question.example
     with torch.no_grad():
         full = run_method(
             adapter,
@@ -260,18 +345,30 @@ def measured(
             make_selector("full", 1.0),
             stop,
             ANSWER_TOKENS,
-            reference=question.teacher_answer,
+            keep_caches=True,
         )
-        segments = student_segments(adapter, question, trailer, pad_id)
-        run = run_method(
-            adapter,
-            segments,
-            make_selector("reuse", 0.0),
-            stop,
-            ANSWER_TOKENS,
-            reference=question.teacher_answer,
-        )
-    return {"kl": teacher_forced_kl(full, run), "same_answer": float(run.answer == full.answer)}
+        full_text = tokenizer.decode(full.answer, skip_special_tokens=True).strip()
+        plain = question_segments(example, tokenizer, adapter)
+        rows = trailer.shape[0]
+        cases = {
+            "reuse": (plain, make_selector("reuse", 0.0)),
+            f"default@{ratio:g}": (question.segments, method_selector(ratio, 0)),
+            f"trailer@{ratio:g}": (
+                student_segments(adapter, question, trailer, pad_id),
+                method_selector(ratio, rows),
+            ),
+        }
+        methods = {}
+        for name, (segments, selector) in cases.items():
+            run = run_method(adapter, segments, selector, stop, ANSWER_TOKENS, full.answer)
+            methods[name] = measure(adapter, full, run, tokenizer, example.answer, full_text)
+    return {
+        "qid": example.qid,
+        "full": full_text,
+        "f1_full": f1_score(full_text, example.answer),
+        "full_prefill_s": full.prefill_s,
+        "methods": methods,
+    }
 
 
 def questions_outside(n: int, exclude: set[str]) -> list[HotpotQAExample]:
@@ -287,6 +384,7 @@ def main() -> int:
     parser.add_argument("--eval", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--ratio", type=float, default=0.0, help="recompute ratio (default: r=0)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--check", action="store_true", help="only the exactness/gradient checks")
     parser.add_argument("--out", type=Path)
@@ -311,28 +409,37 @@ def main() -> int:
 
     # Checks: r = 0 forward equals the executor's; gradient equals a finite difference.
     q0 = train[0]
+    chosen = method_selector(args.ratio, args.rows)
     with torch.no_grad():
-        mine = reuse_forward(adapter, student_segments(adapter, q0, trailer, pad_id))[-1]
-        theirs = run_method(
-            adapter,
-            student_segments(adapter, q0, trailer, pad_id),
-            make_selector("reuse", 0.0),
-            stop,
-            1,
-        ).first_logits
+        segments = student_segments(adapter, q0, trailer, pad_id)
+        picked_rows = selection(adapter, segments, chosen)
+        mine = fused_forward(adapter, segments, picked_rows)[-1]
+        theirs = run_method(adapter, segments, chosen, stop, 1).first_logits
     forward_diff = float((mine - theirs).abs().max())
-    loss = loss_of(adapter, q0, trailer, pad_id)
+    loss = loss_of(adapter, q0, trailer, pad_id, args.ratio)
     (grad,) = torch.autograd.grad(loss, trailer)
     index = tuple(int(i) for i in torch.nonzero(grad.abs() == grad.abs().max())[0])
     eps = 1e-3
     with torch.no_grad():
         bumped = trailer.clone()
         bumped[index] += eps
-        up = loss_of(adapter, q0, bumped, pad_id)
+        up = loss_of(adapter, q0, bumped, pad_id, args.ratio)
         bumped[index] -= 2 * eps
-        down = loss_of(adapter, q0, bumped, pad_id)
+        down = loss_of(adapter, q0, bumped, pad_id, args.ratio)
     numeric = float((up - down) / (2 * eps))
     checks = {
+        "selected_rows": 0 if picked_rows is None else int(picked_rows.numel()),
+        "trailer_rows_selected": 0
+        if picked_rows is None
+        else sum(
+            int(
+                (
+                    (picked_rows >= s.start + s.length - args.rows)
+                    & (picked_rows < s.start + s.length)
+                ).sum()
+            )
+            for s in build_layout(segments).spans
+        ),
         "forward_max_abs_diff": forward_diff,
         "grad": float(grad[index]),
         "finite_difference": numeric,
@@ -341,11 +448,6 @@ def main() -> int:
     if args.check:
         return 0
 
-    def evaluate(tr: torch.Tensor | None) -> dict[str, float]:
-        rows = [measured(adapter, q, tr, pad_id, stop) for q in held]
-        return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
-
-    before_plain = evaluate(None)
     optimizer = torch.optim.AdamW([trailer], lr=args.lr, weight_decay=0.0)
     curve = []
     began = time.perf_counter()
@@ -353,7 +455,7 @@ def main() -> int:
         total = 0.0
         for question in random.sample(train, len(train)):
             optimizer.zero_grad()
-            loss = loss_of(adapter, question, trailer, pad_id)
+            loss = loss_of(adapter, question, trailer, pad_id, args.ratio)
             loss.backward()
             optimizer.step()
             total += float(loss.detach())
@@ -361,8 +463,16 @@ def main() -> int:
         print(f"epoch {epoch + 1}: train KL {curve[-1]:.4f}", flush=True)
     train_s = time.perf_counter() - began
     with torch.no_grad():
-        train_kl_plain = sum(float(loss_of(adapter, q, None, pad_id)) for q in train) / len(train)
-    after = evaluate(trailer.detach())
+        train_kl_plain = sum(
+            float(loss_of(adapter, q, None, pad_id, args.ratio)) for q in train
+        ) / len(train)
+    began = time.perf_counter()
+    held_rows = [
+        measured(adapter, tokenizer, q, trailer.detach(), pad_id, stop, args.ratio) for q in held
+    ]
+    eval_s = time.perf_counter() - began
+    methods = list(held_rows[0]["methods"])
+    summary = summarise(held_rows, methods)
     report = {
         "model": args.model,
         "rows": args.rows,
@@ -371,18 +481,23 @@ def main() -> int:
         "eval_questions": args.eval,
         "epochs": args.epochs,
         "lr": args.lr,
+        "ratio": args.ratio,
+        "selector": repr(chosen),
         "checks": checks,
         "prepare_s": prepare_s,
         "train_s": train_s,
         "train_kl_curve": curve,
         "train_kl_without_trailer": train_kl_plain,
-        "held_out_reuse_prefix": before_plain,
-        "held_out_reuse_prefix_trailer": after,
+        "eval_s": eval_s,
+        "held_out": summary,
+        "held_out_rows": held_rows,
     }
-    out = args.out or RESULTS / f"chunk_trailer_{args.model}.json"
+    suffix = "" if args.ratio == 0 else f"_r{args.ratio:g}"
+    out = args.out or RESULTS / f"chunk_trailer_{args.model}{suffix}.json"
     out.write_text(json.dumps(report, indent=1))
     torch.save(trailer.detach(), out.with_suffix(".pt"))
-    print(json.dumps({k: v for k, v in report.items() if k != "train_kl_curve"}, indent=1))
+    shown = ("train_kl_curve", "held_out_rows")
+    print(json.dumps({k: v for k, v in report.items() if k not in shown}, indent=1))
     return 0
 
 
