@@ -14,6 +14,8 @@ setting, and the median over prompts of each prompt's ratio.
 
     python -m benchmarks.shadow_cost --rounds 3 --prompts 8 --think-s 0
     python -m benchmarks.shadow_cost --rounds 3 --prompts 8 --think-s 1 --out .../shadow_cost_think1.json
+    python -m benchmarks.shadow_cost --rounds 1 --prompts 48 --concurrency 48 --min-tokens 700 \
+        --min-docs 2 --out .../shadow_cost_concurrent48.json   # 48 at once (docs fit 2 GiB)
 -> benchmarks/results/shadow_cost.json
 """
 
@@ -25,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,11 @@ SETTINGS = {"checked": 1.0, "unchecked": 0.0}
 
 
 def run_arm(
-    rate: float, prompts: list[tuple[list[str], str]], think_s: float, answer_tokens: int
+    rate: float,
+    prompts: list[tuple[list[str], str]],
+    think_s: float,
+    answer_tokens: int,
+    concurrency: int = 1,
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="shadow-cost-"))
     settings = workdir / "settings.json"
@@ -52,25 +59,32 @@ def run_arm(
         port=free_port(),
         env={CONFIG_ENV_VAR: str(settings)},
     )
-    ttfts = []
+
+    def ask(index: int, prompt: str) -> float:
+        body = {
+            "text": prompt,
+            "sampling_params": {
+                "max_new_tokens": answer_tokens,
+                "temperature": 0,
+                "custom_params": {"fusion": True},
+            },
+        }
+        answer = stream_generate(config.url, body, timeout=600)
+        fused = (answer.meta.get("hicache_ext_fusion") or [{}])[-1].get("fused")
+        if not fused:
+            raise SystemExit(f"prompt {index} was not fused: {answer.meta}")
+        return answer.ttft_s
+
+    ttfts: list[float] = []
     with running_server(config, log_path=workdir / "server.log"):
         register_documents(config.url, [d for docs, _ in prompts for d in docs])
-        for index, (_, prompt) in enumerate(prompts):
-            if index:
-                time.sleep(think_s)
-            body = {
-                "text": prompt,
-                "sampling_params": {
-                    "max_new_tokens": answer_tokens,
-                    "temperature": 0,
-                    "custom_params": {"fusion": True},
-                },
-            }
-            answer = stream_generate(config.url, body, timeout=600)
-            fused = (answer.meta.get("hicache_ext_fusion") or [{}])[-1].get("fused")
-            if not fused:
-                raise SystemExit(f"prompt {index} was not fused: {answer.meta}")
-            ttfts.append(answer.ttft_s)
+        # Waves of `concurrency` requests sent at once (1: one by one), `think_s` between waves.
+        with ThreadPoolExecutor(concurrency) as pool:
+            for start in range(0, len(prompts), concurrency):
+                if start:
+                    time.sleep(think_s)
+                wave = list(enumerate(prompts))[start : start + concurrency]
+                ttfts.extend(pool.map(lambda item: ask(item[0], item[1][1]), wave))
         checks = requests.get(config.url + "/hicache_ext/shadow_checks", timeout=60).json()
     return {"ttft_s": ttfts, "shadow_counts": checks["counts"]}
 
@@ -83,14 +97,19 @@ def main() -> int:
     parser.add_argument("--min-docs", type=int, default=6)
     parser.add_argument("--think-s", type=float, default=0.0)
     parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests sent at once")
     parser.add_argument("--out", type=Path, default=RESULTS / "shadow_cost.json")
     args = parser.parse_args()
+    if args.concurrency < 1:
+        parser.error(f"--concurrency must be at least 1, got {args.concurrency}")
     prompts = build_prompts(args.prompts, args.min_docs, args.min_tokens, smollm2_tokenizer())
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in SETTINGS}
     for round_ in range(args.rounds):
         order = list(SETTINGS) if round_ % 2 == 0 else list(reversed(SETTINGS))
         for arm in order:
-            runs[arm].append(run_arm(SETTINGS[arm], prompts, args.think_s, args.answer_tokens))
+            runs[arm].append(
+                run_arm(SETTINGS[arm], prompts, args.think_s, args.answer_tokens, args.concurrency)
+            )
             print(f"round {round_ + 1} {arm}: {runs[arm][-1]}", flush=True)
     pooled = {arm: [t for run in runs[arm] for t in run["ttft_s"]] for arm in SETTINGS}
     summary = {
@@ -106,6 +125,7 @@ def main() -> int:
     report = {
         "command": " ".join(sys.argv),
         "think_s": args.think_s,
+        "concurrency": args.concurrency,
         "prompts": len(prompts),
         "summary": summary,
         "runs": runs,
