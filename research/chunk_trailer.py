@@ -10,7 +10,7 @@ The design is research/README.md's "A trained trailer per chunk":
   (`fused_forward`: the text and the selected chunk tokens computed at every layer over the
   stored rows at their global positions; r = 0 selects nothing). The selection is the server's
   default selector's, run by the real executor on the prompt each step, with the trailer rows
-  never selected and not counted in the budget (`TrailerExcluded`: r stays a share of the
+  never selected and not counted in the budget (`trailer_selection.TrailerExcluded`: r stays a share of the
   documents' tokens). The teacher is the full prefill of the same prompt without trailers; the
   loss is KL(teacher || student) over the question and the teacher's greedy answer
   (teacher-forced);
@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.fusion_quality import chat_prefix
 from benchmarks.fusion_retention import MODELS, SEED, load_model, measure
 from benchmarks.retention_chunks import question_segments
-from benchmarks.retention_methods import DEFAULT_SELECTOR, DEFAULT_SINK_TOKENS
+from research.differentiable_fusion import attention, fused_forward
+from research.trailer_selection import method_selector, selection
 from sglang_hicache_ext.evaluation.answer_quality import f1_score
 from sglang_hicache_ext.evaluation.fused_answers import run_method
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
@@ -49,120 +49,17 @@ from sglang_hicache_ext.evaluation.retention import summarise
 from sglang_hicache_ext.fusion import make_selector
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.fusion.executor import fused_prefill
 from sglang_hicache_ext.fusion.request import (
     ChunkSegment,
-    RequestLayout,
     Segment,
     TextSegment,
     build_layout,
 )
-from sglang_hicache_ext.fusion.selectors import SelectionContext, Selector
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ANSWER_TOKENS = 16
 DEV_SEED = 7  # the held-out dev questions of the fidelity work
 TRAIN_SEED = 4343  # questions drawn for training, minus every evaluation and dev question
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qpos: torch.Tensor,
-    kpos: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Differentiable attention by position: q [n, Hq, D] over k/v [N, Hkv, D]."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )
-    return out.transpose(0, 1)
-
-
-def fused_forward(
-    adapter: ModelAdapter, segments: Sequence[Segment], selected: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Logits [computed tokens, vocab] of the fused prefill with a fixed selection: every text
-    token and the chunk tokens at the global positions `selected` computed at every layer, every
-    other chunk row reused (keys rotated to its global position); r = 0 when nothing is selected.
-    The rows are in position order, so the last ones are the text after the last chunk."""
-    ids_at: list[int] = []
-    is_text: list[bool] = []
-    stored: list[PrecomputedChunk | int] = []  # each segment's chunk, or its text length
-    for segment in segments:
-        if isinstance(segment, TextSegment):
-            ids_at.extend(segment.token_ids)
-            is_text.extend([True] * len(segment.token_ids))
-            stored.append(len(segment.token_ids))
-        else:
-            ids_at.extend(segment.chunk.token_ids)
-            is_text.extend([False] * segment.chunk.num_tokens)
-            stored.append(segment.chunk)
-    total = len(ids_at)
-    computed = torch.tensor(is_text)
-    if selected is not None and selected.numel():
-        computed[selected] = True
-    comp_pos = torch.nonzero(computed).flatten()
-    everything = torch.arange(total)
-    hidden = adapter.embed(torch.tensor(ids_at)[comp_pos])
-    for layer in range(adapter.shape.num_layers):
-        q, k, v = adapter.attention_inputs(layer, hidden)
-        # The stored rows at every chunk position (zeros at text), the computed rows over them.
-        base_k = torch.cat(
-            [
-                k.new_zeros((p, *k.shape[1:])) if isinstance(p, int) else p.keys[layer].to(k.dtype)
-                for p in stored
-            ]
-        )
-        base_v = torch.cat(
-            [
-                v.new_zeros((p, *v.shape[1:]))
-                if isinstance(p, int)
-                else p.values[layer].to(v.dtype)
-                for p in stored
-            ]
-        )
-        all_k = base_k.index_put((comp_pos,), k)
-        all_v = base_v.index_put((comp_pos,), v)
-        attn = attention(
-            adapter.rotate(q, comp_pos),
-            adapter.rotate(all_k, everything),
-            all_v,
-            comp_pos,
-            everything,
-            adapter.attn_scale,
-        )
-        hidden = adapter.attention_output(layer, hidden, attn)
-    return adapter.logits(hidden)
-
-
-class TrailerExcluded(Selector):
-    """`inner`'s choice with every chunk's last `rows` rows (its trailer) never selected and not
-    counted in the budget, so r keeps its meaning: a share of the documents' tokens."""
-
-    def __init__(self, inner: Selector, rows: int) -> None:
-        super().__init__(inner.ratio, inner.sink_tokens, inner.fresh_layers)
-        self.inner, self.rows = inner, rows
-        self.name = inner.name  # type: ignore[misc]
-        self.check_layer = inner.check_layer  # type: ignore[misc]
-        self.per_chunk = inner.per_chunk  # type: ignore[misc]
-
-    def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
-        return self.inner.scoring_layers(num_layers)
-
-    def budget(self, layout: RequestLayout) -> int:
-        documents = layout.num_chunk_tokens - self.rows * len(layout.spans)
-        return round(self.ratio * documents)
-
-    def score(self, ctx: SelectionContext) -> torch.Tensor:
-        scores = self.inner.score(ctx).float()
-        local = torch.cat([torch.arange(span.length) for span in ctx.layout.spans])
-        lengths = torch.cat([torch.full((span.length,), span.length) for span in ctx.layout.spans])
-        return scores.masked_fill((local >= lengths - self.rows).to(scores.device), float("-inf"))
 
 
 @dataclass
@@ -289,23 +186,6 @@ def student_segments(
         else:
             out.append(segment)
     return out
-
-
-def method_selector(ratio: float, trailer_rows: int) -> Selector:
-    """The server's default selector at `ratio` (reuse at 0); with a trailer, never its rows."""
-    if ratio == 0:
-        return make_selector("reuse", 0.0)
-    inner = make_selector(DEFAULT_SELECTOR, ratio, sink_tokens=DEFAULT_SINK_TOKENS)
-    return TrailerExcluded(inner, trailer_rows) if trailer_rows else inner
-
-
-def selection(
-    adapter: ModelAdapter, segments: Sequence[Segment], selector: Selector
-) -> torch.Tensor | None:
-    """The executor's choice on the prompt (no gradient through it: replayed fixed)."""
-    if selector.ratio == 0:
-        return None
-    return fused_prefill(adapter, segments, selector).selected.cpu()
 
 
 def loss_of(
