@@ -37,9 +37,10 @@ class TrailerExcluded(Selector):
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         scores = self.inner.score(ctx).float()
-        local = torch.cat([torch.arange(span.length) for span in ctx.layout.spans])
-        lengths = torch.cat([torch.full((span.length,), span.length) for span in ctx.layout.spans])
-        return scores.masked_fill((local >= lengths - self.rows).to(scores.device), float("-inf"))
+        trailer = torch.cat(
+            [torch.arange(span.length) >= span.length - self.rows for span in ctx.layout.spans]
+        )
+        return scores.masked_fill(trailer.to(scores.device), float("-inf"))
 
 
 def method_selector(ratio: float, trailer_rows: int) -> Selector:
