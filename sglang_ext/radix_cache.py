@@ -19,6 +19,7 @@ from sglang_hicache_ext.fusion.rope import rope_spec_from_config
 from sglang_hicache_ext.radix.segments import break_token_ids
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
+from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import ContextVariants
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     registration_codec,
     registration_id,
@@ -162,6 +163,9 @@ def cache_class() -> type:
                     else self.chunks_unavailable,
                     "fusion": fused_prefill.runtime().stats() if fused_prefill.runtime() else None,
                     "auto_chunks": self.auto_capture.stats() if self.auto_capture else None,
+                    "context_variants": self.chunks.context_variants.stats()
+                    if self.chunks is not None and self.chunks.context_variants is not None
+                    else None,
                     "disk_tier": self.disk_tier.status() if self.disk_tier is not None else None,
                 }
 
@@ -183,6 +187,8 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
         cache.auto_capture = AutoCapture.for_settings(
             settings, cache.chunks, break_token_ids(ctx.tp_worker.tokenizer)
         )
+    if cache.chunks is not None and settings.fusion_shadow_refresh:
+        cache.chunks.context_variants = ContextVariants(settings.fusion_context_variant_bytes)
     cache.disk_tier = _install_disk_tier(cache)
     model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
     fused_prefill.install_runtime(cache.chunks, settings, model_name, cache.auto_capture)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import (
-    ExtensionMetrics,
+from sglang_hicache_ext.sglang_ext.metrics.http_process_metrics import (
     FusedTtftMetrics,
     ShadowCheckMetrics,
 )
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "examples/monitoring/grafana_hicache_ext.json"
 LABELS = {"model_name": "m", "tp_rank": "0"}

@@ -1,7 +1,9 @@
 """Documents reused from ordinary OpenAI traffic (setting `auto_chunks`): no POST /chunks.
 
 One SmolLM2 server with `auto_chunks`, `fusion_by_default`, a chunk disk tier and
-`--enable-cache-report`; requests through the `openai` package as SGLang users send them.
+`--enable-cache-report`; requests through the `openai` package as SGLang users send them. The
+server also keeps what shadow checks compute (`fusion_shadow_refresh`): reuse of documents
+computed in their real context is a kind of reuse from ordinary traffic.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +38,7 @@ def _config(smollm2_path: Path, workdir: Path, port: int) -> ServerConfig:
                 "auto_chunks_per_minute": PER_MINUTE,
                 "fusion_by_default": True,
                 "chunk_disk_dir": str(workdir / "chunks"),
+                "fusion_shadow_refresh": True,
             }
         )
     )
@@ -285,6 +289,68 @@ def test_capture_cap_is_counted_and_honoured(auto_server: AutoServer) -> None:
     assert after["over_cap"] > before["over_cap"]
     metrics = requests.get(url + "/metrics", timeout=30).text
     assert "sglang:hicache_ext_auto_chunks_total{" in metrics and 'outcome="over_cap"' in metrics
+
+
+def test_a_shadow_checks_rows_serve_the_same_documents_later(
+    auto_server: AutoServer, corpus: list[str]
+) -> None:
+    """Two registered documents asked once, fused and checked: the check's rows of both are kept
+    for that document set. The same documents asked again in the same order read them, and then
+    every reused row is the normal prefill's: the fused answer is the normal one, whatever the
+    ratio. In the other order they are read too; beside another document they are not. Deleting
+    a document drops the rows kept with it."""
+    url = auto_server.url
+    docs = [corpus[22], corpus[23], corpus[20]]
+    ids = []
+    for doc in docs:
+        response = requests.post(url + "/chunks", json={"text": doc}, timeout=120)
+        assert response.status_code == 200, response.text
+        ids.append(response.json()["id"])
+
+    def ask(order: list[int], question: str, **custom: Any) -> dict[str, Any]:
+        text = "Documents:\n\n" + "\n\n".join(docs[i] for i in order) + f"\n\n{question}"
+        params = {"max_new_tokens": 8, "temperature": 0, "custom_params": custom}
+        return _generate(url, {"text": text, "sampling_params": params})
+
+    fused = {"fusion": True, "fusion_recompute_ratio": 0.15}
+    first = ask([1, 0], "Question: who is named first?", **fused, fusion_shadow=True)
+    (meta,) = first["meta_info"]["hicache_ext_fusion"]
+    assert meta["fused"] is True and meta["chunk_prefixes"]["in_context"] == 0
+    _check_result(url, first["meta_info"]["id"])
+    kept = _stats(url)["context_variants"]
+    assert kept["kept"] >= 2, kept
+
+    again = ask([1, 0], "Question: where does it happen?", **fused, fusion_shadow=False)
+    (meta,) = again["meta_info"]["hicache_ext_fusion"]
+    assert meta["fused"] is True and meta["chunk_prefixes"]["in_context"] == 2, meta
+    assert meta["tokens_reused"] > 0
+    normal = ask([1, 0], "Question: where does it happen?", fusion=False)
+    assert again["text"] == normal["text"]
+
+    swapped = ask([0, 1], "Question: who is named last?", **fused, fusion_shadow=False)
+    assert swapped["meta_info"]["hicache_ext_fusion"][0]["chunk_prefixes"]["in_context"] == 2
+    other = ask([0, 2], "Question: who is named last?", **fused, fusion_shadow=False)
+    assert other["meta_info"]["hicache_ext_fusion"][0]["chunk_prefixes"]["in_context"] == 0
+    used = _stats(url)["context_variants"]
+    assert used["used"] - kept["used"] == 4, used
+
+    assert requests.delete(f"{url}/chunks/{ids[0]}", timeout=30).status_code == 200
+    dropped = _stats(url)["context_variants"]
+    assert dropped["variants"] <= used["variants"] - 2, dropped
+    metrics = requests.get(url + "/metrics", timeout=30).text
+    assert "sglang:hicache_ext_fusion_context_variants_total{" in metrics
+
+
+def _check_result(url: str, rid: str, timeout_s: float = 300) -> dict[str, Any]:
+    """The shadow check of `rid` once it has run (checks wait for the server to be idle)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        checks = requests.get(url + "/hicache_ext/shadow_checks", timeout=30).json()
+        for result in checks["recent"]:
+            if result["rid"] == rid:
+                return result
+        time.sleep(0.2)
+    raise AssertionError(f"the check of {rid} did not run")
 
 
 def test_restart_keeps_captured_documents(auto_server: AutoServer, corpus: list[str]) -> None:

@@ -62,7 +62,13 @@ def test_chunk_computed_after_a_prefix_is_fused_and_exact_at_ratio_one(
     fused = _generate(url, prompt, fusion=True, fusion_selector="reuse", fusion_recompute_ratio=0)
     (meta,) = fused["meta_info"]["hicache_ext_fusion"]
     assert meta["fused"] is True and meta["chunks_hit"] == 1
-    assert meta["chunk_prefixes"] == {"same": 1, "other": 0, "alone": 0, "unknown": 0}
+    assert meta["chunk_prefixes"] == {
+        "same": 1,
+        "other": 0,
+        "alone": 0,
+        "unknown": 0,
+        "in_context": 0,
+    }
     assert meta["tokens_reused"] == meta["chunk_tokens"] == info["num_tokens"]
     flush_cache(url)
     full = _generate(url, prompt, fusion=True, fusion_selector="full", fusion_recompute_ratio=1)

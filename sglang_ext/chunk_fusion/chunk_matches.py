@@ -14,6 +14,7 @@ from collections import Counter
 from typing import NamedTuple
 
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment, slice_chunk
+from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import document_set
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
@@ -26,6 +27,8 @@ class PinnedSegments(NamedTuple):
     tiers: dict[str, int]  # how many chunks each tier served
     tokens_by_tier: dict[str, int]  # how many chunk tokens each tier served
     fetched: WholeFetches  # chunks read whole from a lower tier while pinning
+    # Chunks read as a shadow check computed them among these documents (context_variants.py).
+    in_context: frozenset[str] = frozenset()
 
 
 class WholeFetches(NamedTuple):
@@ -51,7 +54,12 @@ def pinned_chunk_segments(
     cursor = 0
     fetched = WholeFetches()
     metrics = extension_metrics() if probe_form is None else None  # probes are not traffic
-    for match in registry.find(tokens):
+    matches = registry.find(tokens)
+    # A probe measures the stored rows through a codec: never a variant.
+    variants = registry.context_variants if probe_form is None else None
+    documents = document_set(matches)
+    in_context: set[str] = set()
+    for match in matches:
         began = time.perf_counter()
         chunk_id = match.chunk_id
         held = (
@@ -75,13 +83,21 @@ def pinned_chunk_segments(
         if match.prompt_start > cursor:
             segments.append(TextSegment(tuple(tokens[cursor : match.prompt_start])))
         span = slice_chunk(chunk, match.chunk_start, match.chunk_end)
+        # The stored chunk stays pinned (its tier served the request, its reads are counted);
+        # the rows read are a shadow check's when it computed them among these documents.
+        variant = None if variants is None else variants.get(documents, match)
+        if variant is not None:
+            span = variant
+            in_context.add(chunk_id)
         if metrics is not None:
             metrics.chunk_hit(span.nbytes, tier=held.tier)
         segments.append(ChunkSegment(span))
         cursor = match.prompt_end
     if cursor < len(tokens):
         segments.append(TextSegment(tuple(tokens[cursor:])))
-    return PinnedSegments(segments, pinned, dict(tiers), dict(tokens_by_tier), fetched)
+    return PinnedSegments(
+        segments, pinned, dict(tiers), dict(tokens_by_tier), fetched, frozenset(in_context)
+    )
 
 
 def pin_request_chunks(
@@ -115,16 +131,23 @@ def last_chunk_end(segments: list[Segment]) -> int:
 
 
 def prefix_agreement(
-    registry: ChunkRegistry, chunk_ids: list[str], tokens: list[int]
+    registry: ChunkRegistry,
+    chunk_ids: list[str],
+    tokens: list[int],
+    in_context: frozenset[str] = frozenset(),
 ) -> dict[str, int]:
     """How many of a prompt's chunks were computed after the prefix the prompt starts with
-    ("same"), after another one ("other"), alone ("alone") or with none recorded ("unknown").
-    A chunk computed after another prefix is still used; the response says so."""
-    counts = dict.fromkeys(("same", "other", "alone", "unknown"), 0)
+    ("same"), after another one ("other"), alone ("alone"), with none recorded ("unknown"), or
+    read as a shadow check computed them in a prompt of these documents (`in_context`: after
+    this prompt's own start and the other documents). A chunk computed after another prefix is
+    still used; the response says so."""
+    counts = dict.fromkeys(("same", "other", "alone", "unknown", "in_context"), 0)
     starts: dict[int, str] = {}  # the prompt's own prefix id per length, hashed once
     for chunk_id in chunk_ids:
         prefix = registry.prefix_of(chunk_id)
-        if prefix is None:
+        if chunk_id in in_context:
+            counts["in_context"] += 1
+        elif prefix is None:
             counts["unknown"] += 1
         elif not prefix[0]:
             counts["alone"] += 1

@@ -53,12 +53,13 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import (
     bar_from_tree,
     check_shadow_params,
     in_small_rounds,
+    keep_shadow_check_rows,
     shadow_of,
     users_first,
 )
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import FusedTtftMetrics
+from sglang_hicache_ext.sglang_ext.metrics.http_process_metrics import FusedTtftMetrics
 from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 
 logger = logging.getLogger(__name__)
@@ -203,7 +204,10 @@ def forward_with_fusion(
         return output
     plans = plan_batch(rt, forward_batch)
     if plans is None:  # nobody in the batch asked for fusion
-        return original(runner, forward_batch, *args, **kwargs)
+        output = original(runner, forward_batch, *args, **kwargs)
+        # A shadow check's rows, exact and in their prompt's context (fusion_shadow_refresh).
+        keep_shadow_check_rows(rt.registry, rt.requests, runner, forward_batch)
+        return output
     try:
         if all(plan.fused for plan in plans):
             adapter = rt.adapter(runner)

@@ -285,7 +285,7 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
     held = pin_request_chunks(rt.registry, tokens, plan.probe_form)
     plan.segments, plan.pinned, plan.chunk_tiers = held.segments, held.pinned, held.tiers
     plan.tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched
-    plan.chunk_prefixes = prefix_agreement(rt.registry, plan.pinned, tokens)
+    plan.chunk_prefixes = prefix_agreement(rt.registry, plan.pinned, tokens, held.in_context)
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
     elif plan.prefix_len >= last_chunk_end(plan.segments):

@@ -31,6 +31,7 @@ from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, layer_frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex, ChunkMatch
+from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import ContextVariants
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
     PlacementControl,
     host_form,
@@ -77,11 +78,6 @@ def summarize(chunk: HostChunk) -> ChunkSummary:
     return ChunkSummary(chunk.num_tokens, chunk.num_layers, chunk.nbytes)
 
 
-def _prefix_info(prefix: tuple[str, int] | None) -> dict[str, Any]:
-    prefix_value, tokens = prefix if prefix is not None else (None, None)
-    return {"prefix_id": prefix_value, "prefix_tokens": tokens}
-
-
 class ChunkRegistry:
     """Chunk index + tiered store, owned by the tree cache (one per scheduler process)."""
 
@@ -124,6 +120,8 @@ class ChunkRegistry:
         self.placement = PlacementControl(
             self.store, self.summary, self.report_stored_bytes, disk_read_bytes_per_s
         )
+        # Documents' rows in the prompts shadow checks computed (fusion_shadow_refresh).
+        self.context_variants: ContextVariants | None = None
         self.restored = self._index_stored_chunks()
         self.shared_found = 0  # chunks other servers announced in the shared tier, indexed here
 
@@ -177,6 +175,8 @@ class ChunkRegistry:
     def forget(self, chunk_ids: list[str]) -> None:
         """Drop chunks no tier holds any more from the index and the listing."""
         self.placement.forget(chunk_ids)
+        if self.context_variants is not None:
+            self.context_variants.forget(chunk_ids)
         for chunk_id in chunk_ids:
             self._summaries.pop(chunk_id, None)
             self._prefixes.pop(chunk_id, None)
@@ -317,6 +317,7 @@ class ChunkRegistry:
             return None
         host_form = self.host_form(chunk_id) if tiers[0] == "host" else None
         read_form = summary.codec if host_form is None else host_form
+        prefix = self.prefix_of(chunk_id) or (None, None)
         return {
             "id": chunk_id,
             "num_tokens": summary.num_tokens,
@@ -330,7 +331,8 @@ class ChunkRegistry:
             "registered_codec": summary.codec,
             # The prefix the chunk was computed after: its token count and id ("" / 0: alone);
             # null when not recorded (a chunk this process did not register).
-            **_prefix_info(self.prefix_of(chunk_id)),
+            "prefix_id": prefix[0],
+            "prefix_tokens": prefix[1],
         }
 
     def describe(self, chunk_id: str) -> dict[str, Any] | None:

@@ -7,14 +7,27 @@ scheduler it must not change what users see: it never enters the prefix tree (it
 but a user's later prompt must not find the cache changed by a check), is not recorded as an
 access of the disk tier's pages and loads nothing from HiCache's storage, is never batched with
 users' requests and waits behind every user request in the queue, and is prefilled in small
-rounds so that a user request arriving while it runs waits for one round at most.
+rounds so that a user request arriving while it runs waits for one round at most. What it
+computed may stay behind only as variants of the documents it holds, for prompts of the same
+documents (`keep_shadow_check_rows`, setting `fusion_shadow_refresh`), never in the tree.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
+
+import torch
+
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.fusion.frequency import layer_frequency_scores
+from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import (
+    ContextVariants,
+    document_set,
+)
+from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 
 T = TypeVar("T")
 
@@ -75,3 +88,61 @@ def in_small_rounds(adder: Any, add: Callable[[], T]) -> T:
         return add()
     finally:
         adder.rem_chunk_tokens = budget - (ROUND_TOKENS - adder.rem_chunk_tokens)
+
+
+def keep_shadow_check_rows(
+    registry: ChunkRegistry, requests: Mapping[str, Any], runner: Any, forward_batch: Any
+) -> int:
+    """After a prefill forward: the rows of each shadow check whose last round it computed kept
+    as variants of the chunk spans its prompt matched. Returns how many were kept.
+
+    A check's rows are exact: it is prefilled with fusion off, and the only rows it does not
+    compute are the prefix tree's, which only normal prefills enter (fused rows never do)."""
+    variants = registry.context_variants
+    if variants is None:
+        return 0
+    kept = 0
+    rounds = zip(
+        forward_batch.rids or [],
+        forward_batch.extend_prefix_lens_cpu,
+        forward_batch.extend_seq_lens_cpu,
+        strict=True,
+    )
+    for index, (rid, prefix_len, extend_len) in enumerate(rounds):
+        req = requests.get(rid)
+        if req is None or shadow_of(req) is None:
+            continue
+        token_ids = [int(t) for t in req.origin_input_ids]
+        if prefix_len + extend_len < len(token_ids):
+            continue  # an earlier round: the prompt's later rows are not computed yet
+        row = forward_batch.req_pool_indices[index]
+        slots = runner.req_to_token_pool.req_to_token[row, : len(token_ids)]
+        kept += _keep_rows(registry, variants, token_ids, runner.token_to_kv_pool, slots)
+    return kept
+
+
+def _keep_rows(
+    registry: ChunkRegistry,
+    variants: ContextVariants,
+    token_ids: list[int],
+    kv_pool: Any,
+    slots: torch.Tensor,
+) -> int:
+    """The rows at `slots` (the prompt's, positions 0..n-1) of every matched chunk span."""
+    matches = registry.find(token_ids)
+    documents = document_set(matches)
+    kept = 0
+    for match in matches:
+        positions = torch.arange(match.prompt_start, match.prompt_end, device=slots.device)
+        span = slots[match.prompt_start : match.prompt_end].to(torch.long)
+        keys, values = pre_rope_rows(kv_pool, span, positions, registry.rope)
+        key_rows, value_rows = list(keys.unbind(0)), list(values.unbind(0))
+        chunk = PrecomputedChunk(
+            token_ids=tuple(token_ids[match.prompt_start : match.prompt_end]),
+            keys=tuple(key_rows),
+            values=tuple(value_rows),
+            freq_scores=layer_frequency_scores(key_rows, value_rows, registry.alpha),
+            alpha=registry.alpha,
+        )
+        kept += variants.keep(documents, match, chunk)
+    return kept

@@ -5,7 +5,9 @@ sets `PROMETHEUS_MULTIPROC_DIR` before it starts the scheduler, every process wr
 to files there, and the HTTP process merges them at scrape time. The extension's events happen in
 the scheduler process (fusion plans and forwards, the chunk store, the disk tier's threads), so
 the series are created there, on first use, and only when SGLang's metrics are on: with metrics
-off `extension_metrics()` is None after one check and every call site skips its update.
+off `extension_metrics()` is None after one check and every call site skips its update. The
+series observed in the HTTP process itself (fused TTFT, shadow checks) are
+`metrics/http_process_metrics.py`.
 
 Names follow SGLang's own series: the `sglang:` prefix, counters ending in `_total`, units in the
 name (`_seconds`, `_bytes`), the `model_name` and `tp_rank` labels of SGLang's scheduler series
@@ -156,6 +158,14 @@ class ExtensionMetrics:
             "and announced in its catalogue, indexed by this server: summed over a fleet's "
             "servers, how far documents travel between them.",
         )
+        self._context_variants = counter(
+            "fusion_context_variants_total",
+            "Documents' rows a shadow check computed in their prompt, kept for the same "
+            "document set (fusion_shadow_refresh), by outcome: kept, used (read by a fused "
+            "prompt of that set instead of the stored chunk), evicted (LRU beyond "
+            "fusion_context_variant_bytes).",
+            "outcome",
+        )
         self._target_ratio = gauge(
             "fusion_target_ratio",
             'Recompute ratio "auto" uses for chunks of a tier with a token-agreement target '
@@ -204,6 +214,9 @@ class ExtensionMetrics:
         if outcome == "captured":
             self._auto_chunk_tokens.labels(**self.labels).inc(num_tokens)
 
+    def context_variant(self, outcome: str) -> None:
+        self._context_variants.labels(**self.labels, outcome=outcome).inc()
+
     def shared_chunks_found(self, count: int) -> None:
         self._shared_found.labels(**self.labels).inc(count)
 
@@ -229,108 +242,6 @@ class ExtensionMetrics:
 
     def storage_error(self, kind: str, count: int = 1) -> None:
         self._storage_errors.labels(**self.labels, kind=kind).inc(count)
-
-
-# Client-visible time to the first token of a fused request: tens of milliseconds on a GPU to
-# minutes for long prompts on a CPU (SGLang's own TTFT histogram spans a similar range).
-TTFT_SECONDS_BUCKETS = (
-    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
-)  # fmt: skip
-
-
-class FusedTtftMetrics:
-    """The TTFT of fused requests, observed in SGLang's HTTP process, where TTFT is measured.
-
-    Same clock and same moment as SGLang's `sglang:time_to_first_token_seconds` (its
-    `TokenizerManager.collect_metrics`), split off for requests whose prefill was fused, so the
-    two histograms compare directly.
-    """
-
-    def __init__(self, labels: Mapping[str, str], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Histogram
-
-        self.labels = dict(labels)
-        self._ttft = Histogram(
-            f"{PREFIX}fused_time_to_first_token_seconds",
-            "Time to first token of requests whose prefill ran through chunk fusion (every "
-            "round fused), as SGLang measures its time_to_first_token_seconds.",
-            [*self.labels, "selector"],
-            buckets=TTFT_SECONDS_BUCKETS,
-            registry=registry if registry is not None else REGISTRY,
-        )
-
-    def observe(self, selector: str, seconds: float) -> None:
-        self._ttft.labels(**self.labels, selector=selector).observe(seconds)
-
-
-# Token agreement of one checked request: 16 served tokens move it in steps of 1/16.
-AGREEMENT_BUCKETS = (0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
-
-
-def ratio_bucket(ratio: float) -> str:
-    """A recompute ratio as a label of few values (a label per exact ratio would let a moving
-    target create a series per step): the upper bound of its RECOMPUTE_RATIO_BUCKETS bucket."""
-    return f"{next(b for b in RECOMPUTE_RATIO_BUCKETS if ratio <= b + 1e-9):g}"
-
-
-class ShadowCheckMetrics:
-    """The shadow checks of fused answers (`server/shadow_checks.py`), in SGLang's HTTP process
-    where they run: how many ran, were dropped or failed, and the agreement they measured by
-    selector and ratio bucket."""
-
-    def __init__(self, labels: Mapping[str, str], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Counter, Histogram
-
-        self.labels = dict(labels)
-        where = {"registry": registry if registry is not None else REGISTRY}
-        by_kind = [*self.labels, "selector", "ratio_bucket"]
-        self._checks = Counter(
-            f"{PREFIX}fusion_shadow_checks_total",
-            "Fused requests checked against the normal prefill (the prompt and served tokens "
-            "prefilled with fusion off), by selector and recompute-ratio bucket.",
-            by_kind,
-            **where,
-        )
-        self._first_agree = Counter(
-            f"{PREFIX}fusion_shadow_first_token_agreements_total",
-            "Checked requests whose first served token is the normal prefill's greedy choice.",
-            by_kind,
-            **where,
-        )
-        self._agreement = Histogram(
-            f"{PREFIX}fusion_shadow_token_agreement",
-            "Per checked request: the share of its served tokens (the first "
-            "fusion_shadow_tokens) that are the normal prefill's greedy choice.",
-            by_kind,
-            buckets=AGREEMENT_BUCKETS,
-            **where,
-        )
-        self._dropped = Counter(
-            f"{PREFIX}fusion_shadow_dropped_total",
-            "Checks not run, by reason: queue_full (no spare capacity before fusion_shadow_queue "
-            "filled), preempted (a user request came during the check, three times).",
-            [*self.labels, "reason"],
-            **where,
-        )
-        self._failed = Counter(
-            f"{PREFIX}fusion_shadow_failed_total",
-            "Checks whose normal prefill failed (logged; the checked request was answered).",
-            [*self.labels],
-            **where,
-        )
-
-    def checked(self, selector: str, ratio: float, agreement: float, first_token: bool) -> None:
-        labels = {**self.labels, "selector": selector, "ratio_bucket": ratio_bucket(ratio)}
-        self._checks.labels(**labels).inc()
-        self._agreement.labels(**labels).observe(agreement)
-        if first_token:
-            self._first_agree.labels(**labels).inc()
-
-    def dropped(self, reason: str) -> None:
-        self._dropped.labels(**self.labels, reason=reason).inc()
-
-    def failed(self) -> None:
-        self._failed.labels(**self.labels).inc()
 
 
 class CountMirror:

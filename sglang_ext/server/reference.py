@@ -33,7 +33,7 @@ from pydantic_core import PydanticUndefined
 from sglang_hicache_ext.sglang_ext.chunk_fusion import request_options
 from sglang_hicache_ext.sglang_ext.config import settings, settings_sources
 from sglang_hicache_ext.sglang_ext.config.validation_messages import bound_phrase
-from sglang_hicache_ext.sglang_ext.metrics import prometheus_metrics
+from sglang_hicache_ext.sglang_ext.metrics import http_process_metrics, prometheus_metrics
 from sglang_hicache_ext.sglang_ext.server import http_routes
 
 MODULE = "sglang_hicache_ext.sglang_ext.server.reference"
@@ -202,8 +202,8 @@ def metric_series() -> list[Series]:
     registry = CollectorRegistry()
     owners = (
         prometheus_metrics.ExtensionMetrics({"model_name": "", "tp_rank": ""}, registry),
-        prometheus_metrics.FusedTtftMetrics({"model_name": ""}, registry),
-        prometheus_metrics.ShadowCheckMetrics({"model_name": ""}, registry),
+        http_process_metrics.FusedTtftMetrics({"model_name": ""}, registry),
+        http_process_metrics.ShadowCheckMetrics({"model_name": ""}, registry),
     )
     series = []
     for owner in owners:
@@ -277,7 +277,8 @@ def render() -> str:
         "With SGLang's `--enable-metrics`, SGLang's `GET /metrics` also carries these series "
         "(`sglang_ext/metrics/prometheus_metrics.py`), plus SGLang's `--extra-metric-labels`. "
         "They are counted in the scheduler process, except the fused TTFT histogram, observed "
-        "in the HTTP process beside SGLang's own TTFT. Gauges are per scheduler process "
+        "in the HTTP process beside SGLang's own TTFT, and the shadow checks' series, counted "
+        "where the checks run (`sglang_ext/metrics/http_process_metrics.py`). Gauges are per scheduler process "
         "(`tp_rank`), merged `mostrecent` as SGLang's are; what the disk tier's modules count "
         "themselves is exported every `purge_interval_s` "
         "(`sglang_ext/disk_tier/metrics_export.py`).",

@@ -43,7 +43,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import (
     running_shadow_check,
 )
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ShadowCheckMetrics
+from sglang_hicache_ext.sglang_ext.metrics.http_process_metrics import ShadowCheckMetrics
 from sglang_hicache_ext.sglang_ext.server.control_routes import control
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,103 @@
+"""Documents' rows as a shadow check computed them beside the other documents of its prompt,
+reused when the same set of documents comes back (setting `fusion_shadow_refresh`).
+
+Why: a stored chunk's rows were computed once, alone or after the chat prefix; rows computed
+inside a prompt holding the same documents (in another order) fuse closer to the full prefill:
+the harness measured 0.88 of the KL gap closed against 0.71 for rows computed after the chat
+prefix, whole answers 0.75 against 0.50 (Qwen2.5-0.5B, r = 0.15,
+`benchmarks/results/auto_chunk_source_qwen.json`). A shadow check prefills the checked prompt
+with fusion off (`server/shadow_checks.py`): its rows are exact, in their real context, and were
+thrown away. Here the rows of each chunk span the check's prompt matched are kept as that
+span's variant for its document set (the set of chunk ids the prompt matched, whatever their
+order: Cache-Craft keeps variants per context the same way); a later fused prompt that matches
+the same span in the same set reads the variant instead of the stored rows. A span, not the
+whole chunk: a document captured by `auto_chunks` with its label ("Document 1. ...") matches
+without it where the prompt labels it otherwise. The rows are taken after a check's last
+prefill round (`shadow_request.keep_shadow_check_rows`).
+
+A variant lives in this server's host memory only, beside the tiers, and is never written to
+disk or the shared tier: the stored chunk never changes under a request or under another server
+that reads it, and losing a variant (LRU beyond `fusion_context_variant_bytes`, a restart)
+costs only what it gained. A chunk the registry forgets drops its variants.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.radix.chunk_index import ChunkMatch
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
+
+DocumentSet = frozenset[str]
+_Key = tuple[DocumentSet, str, int, int]  # documents, chunk id, span start and end in the chunk
+
+
+def document_set(matches: Iterable[ChunkMatch]) -> DocumentSet:
+    """The key of a prompt's variants: the chunks it matched, in no order."""
+    return frozenset(match.chunk_id for match in matches)
+
+
+class ContextVariants:
+    """Per scheduler process: (document set, chunk span) -> the span's rows in that set, LRU."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.bytes_used = 0
+        self._rows: OrderedDict[_Key, PrecomputedChunk] = OrderedDict()
+        self.counts = {"kept": 0, "replaced": 0, "evicted": 0, "too_large": 0, "used": 0}
+
+    def get(self, documents: DocumentSet, match: ChunkMatch) -> PrecomputedChunk | None:
+        """The matched span's rows computed in a prompt of exactly `documents`, else None."""
+        key = (documents, match.chunk_id, match.chunk_start, match.chunk_end)
+        chunk = self._rows.get(key)
+        if chunk is not None:
+            self._rows.move_to_end(key)
+            self.counts["used"] += 1
+            self._metric("used")
+        return chunk
+
+    def keep(self, documents: DocumentSet, match: ChunkMatch, chunk: PrecomputedChunk) -> bool:
+        """Keep (or replace) the rows of a matched span; False when they exceed the capacity."""
+        if chunk.nbytes > self.capacity_bytes:
+            self.counts["too_large"] += 1
+            return False
+        key = (documents, match.chunk_id, match.chunk_start, match.chunk_end)
+        old = self._rows.pop(key, None)
+        if old is not None:  # the latest check's rows: the same context, computed again
+            self.bytes_used -= old.nbytes
+            self.counts["replaced"] += 1
+        self._rows[key] = chunk
+        self.bytes_used += chunk.nbytes
+        while self.bytes_used > self.capacity_bytes:
+            _, evicted = self._rows.popitem(last=False)
+            self.bytes_used -= evicted.nbytes
+            self.counts["evicted"] += 1
+            self._metric("evicted")
+        self.counts["kept"] += 1
+        self._metric("kept")
+        return True
+
+    def forget(self, chunk_ids: Iterable[str]) -> None:
+        """Drop every variant of these chunks and of the document sets holding them."""
+        gone = set(chunk_ids)
+        if not gone or not self._rows:
+            return
+        for key in [key for key in self._rows if not gone.isdisjoint(key[0])]:
+            self.bytes_used -= self._rows.pop(key).nbytes
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counts,
+            "variants": len(self._rows),
+            "document_sets": len({key[0] for key in self._rows}),
+            "bytes_used": self.bytes_used,
+            "capacity_bytes": self.capacity_bytes,
+        }
+
+    @staticmethod
+    def _metric(outcome: str) -> None:
+        if (metrics := extension_metrics()) is not None:
+            metrics.context_variant(outcome)
