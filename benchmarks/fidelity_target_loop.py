@@ -63,6 +63,20 @@ def loop_questions(count: int) -> list[HotpotQAExample]:
     return pool[:count]
 
 
+def chat_model(choice: str) -> tuple[str, Path, Any, list[int]]:
+    """The model `--model` names ("qwen" or "smollm2"): its name, prepared folder, tokenizer and
+    the token ids that end an answer."""
+    from transformers import AutoTokenizer
+
+    name = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}[choice]
+    model = prepared_model(name)
+    if model is None:
+        raise SystemExit(f"{name} is not prepared: run `make models` / `make models-qwen`")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    stop = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
+    return name, model, tokenizer, stop
+
+
 def register(url: str, tokenizer: Any, paragraphs: list[str]) -> None:
     prefix = tokenizer.encode(chat_prefix(), add_special_tokens=False)
     for paragraph in paragraphs:
@@ -223,15 +237,8 @@ def main() -> int:
         help="with --append: only measure the TTFT at this ratio for the targets' earlier runs",
     )
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    name = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}[args.model]
+    name, model, tokenizer, stop = chat_model(args.model)
     out = args.out or RESULTS / f"fidelity_target_loop_{args.model}.json"
-    model = prepared_model(name)
-    if model is None:
-        raise SystemExit(f"{name} is not prepared: run `make models` / `make models-qwen`")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    stop = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
     examples = loop_questions(args.requests + args.ttft_prompts)
     report: dict[str, Any] = {
         "model": name,

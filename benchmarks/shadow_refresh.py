@@ -32,11 +32,10 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.fidelity_live import ask, wait_for_check
-from benchmarks.fidelity_target_loop import loop_questions, register
+from benchmarks.fidelity_target_loop import chat_model, loop_questions, register
 from benchmarks.fusion_quality import chatml_prompt
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
-from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 
@@ -166,7 +165,7 @@ def compare(off: list[dict[str, Any]], on: list[dict[str, Any]]) -> dict[str, An
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--questions", type=int, default=10)
+    parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--asks", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--model", choices=("qwen", "smollm2"), default="qwen")
@@ -174,15 +173,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.asks < 2:
         parser.error("--asks must be at least 2: the first ask of a set has nothing kept")
-    from transformers import AutoTokenizer
-
-    name = {"qwen": QWEN_CODER, "smollm2": SMOLLM2}[args.model]
+    name, model, tokenizer, stop = chat_model(args.model)
     out = args.out or RESULTS / f"shadow_refresh_{args.model}.json"
-    model = prepared_model(name)
-    if model is None:
-        raise SystemExit(f"{name} is not prepared: run `make models` / `make models-qwen`")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    stop = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
     examples = loop_questions(args.questions)
     arms = {
         arm: run_arm(str(model), refresh, args.ratio, examples, args.asks, tokenizer, stop)

@@ -297,7 +297,7 @@ def test_a_shadow_checks_rows_serve_the_same_documents_later(
     """Two registered documents asked once, fused and checked: the check's rows of both are kept
     for that document set. The same documents asked again in the same order read them, and then
     every reused row is the normal prefill's: the fused answer is the normal one, whatever the
-    ratio. In the other order they are read too; beside another document they are not. Deleting
+    ratio (fp32 here: a bf16 pool rounds the keys on their way back to pre-RoPE and again). In the other order they are read too; beside another document they are not. Deleting
     a document drops the rows kept with it."""
     url = auto_server.url
     docs = [corpus[22], corpus[23], corpus[20]]

@@ -57,7 +57,7 @@ def pinned_chunk_segments(
     matches = registry.find(tokens)
     # A probe measures the stored rows through a codec: never a variant.
     variants = registry.context_variants if probe_form is None else None
-    documents = document_set(matches)
+    documents = document_set(matches, tokens)
     in_context: set[str] = set()
     for match in matches:
         began = time.perf_counter()

@@ -24,20 +24,25 @@ costs only what it gained. A chunk the registry forgets drops its variants.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.radix.chunk_index import ChunkMatch
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 
-DocumentSet = frozenset[str]
+# The prompt's start before its first chunk (system prompt, chat header) and the chunks it
+# matched, in no order.
+DocumentSet = tuple[str, frozenset[str]]
 _Key = tuple[DocumentSet, str, int, int]  # documents, chunk id, span start and end in the chunk
 
 
-def document_set(matches: Iterable[ChunkMatch]) -> DocumentSet:
-    """The key of a prompt's variants: the chunks it matched, in no order."""
-    return frozenset(match.chunk_id for match in matches)
+def document_set(matches: list[ChunkMatch], token_ids: Sequence[int]) -> DocumentSet:
+    """The key of a prompt's variants: what comes before its first chunk (rows computed after
+    another system prompt are not this prompt's) and the chunks it matched, in no order."""
+    start = min((match.prompt_start for match in matches), default=0)
+    return prefix_id(list(token_ids[:start])), frozenset(match.chunk_id for match in matches)
 
 
 class ContextVariants:
@@ -47,7 +52,9 @@ class ContextVariants:
         self.capacity_bytes = capacity_bytes
         self.bytes_used = 0
         self._rows: OrderedDict[_Key, PrecomputedChunk] = OrderedDict()
-        self.counts = {"kept": 0, "replaced": 0, "evicted": 0, "too_large": 0, "used": 0}
+        self.counts = dict.fromkeys(
+            ("kept", "replaced", "evicted", "too_large", "used", "failed"), 0
+        )
 
     def get(self, documents: DocumentSet, match: ChunkMatch) -> PrecomputedChunk | None:
         """The matched span's rows computed in a prompt of exactly `documents`, else None."""
@@ -59,10 +66,17 @@ class ContextVariants:
             self._metric("used")
         return chunk
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether rows of `nbytes` can be kept at all (counted when not: asked before the
+        rows are copied out of the pool)."""
+        if nbytes > self.capacity_bytes:
+            self.counts["too_large"] += 1
+            return False
+        return True
+
     def keep(self, documents: DocumentSet, match: ChunkMatch, chunk: PrecomputedChunk) -> bool:
         """Keep (or replace) the rows of a matched span; False when they exceed the capacity."""
-        if chunk.nbytes > self.capacity_bytes:
-            self.counts["too_large"] += 1
+        if not self.fits(chunk.nbytes):
             return False
         key = (documents, match.chunk_id, match.chunk_start, match.chunk_end)
         old = self._rows.pop(key, None)
@@ -85,7 +99,7 @@ class ContextVariants:
         gone = set(chunk_ids)
         if not gone or not self._rows:
             return
-        for key in [key for key in self._rows if not gone.isdisjoint(key[0])]:
+        for key in [key for key in self._rows if not gone.isdisjoint(key[0][1])]:
             self.bytes_used -= self._rows.pop(key).nbytes
 
     def stats(self) -> dict[str, Any]:
@@ -93,9 +107,14 @@ class ContextVariants:
             **self.counts,
             "variants": len(self._rows),
             "document_sets": len({key[0] for key in self._rows}),
+            # Per scheduler process (each tensor-parallel rank keeps its own), beside the tiers.
             "bytes_used": self.bytes_used,
             "capacity_bytes": self.capacity_bytes,
         }
+
+    def failed_capture(self) -> None:
+        self.counts["failed"] += 1
+        self._metric("failed")
 
     @staticmethod
     def _metric(outcome: str) -> None:

@@ -15,13 +15,14 @@ documents (`keep_shadow_check_rows`, setting `fusion_shadow_refresh`), never in 
 from __future__ import annotations
 
 import contextvars
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.fusion.frequency import layer_frequency_scores
+from sglang_hicache_ext.fusion.frequency import stacked_frequency_scores
 from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import (
     ContextVariants,
     document_set,
@@ -30,6 +31,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 SHADOW_PARAM = "hicache_ext_shadow_of"  # internal: the id of the request being checked
 # A check's prompt is prefilled in rounds of at most this many tokens, whatever the server's
@@ -97,7 +99,9 @@ def keep_shadow_check_rows(
     as variants of the chunk spans its prompt matched. Returns how many were kept.
 
     A check's rows are exact: it is prefilled with fusion off, and the only rows it does not
-    compute are the prefix tree's, which only normal prefills enter (fused rows never do)."""
+    compute are the prefix tree's, which only normal prefills enter (fused rows never do). A
+    failure here is logged and counted, never raised: the variants are an optional copy and
+    the forward's batch must go on."""
     variants = registry.context_variants
     if variants is None:
         return 0
@@ -115,9 +119,17 @@ def keep_shadow_check_rows(
         token_ids = [int(t) for t in req.origin_input_ids]
         if prefix_len + extend_len < len(token_ids):
             continue  # an earlier round: the prompt's later rows are not computed yet
+        # The checked prompt, not its served tokens after it: a later prompt holds only that.
+        # The check asks input logprobs from the prompt's last token on (server/shadow_checks.py).
+        start = getattr(req, "logprob_start_len", -1)
+        prompt = token_ids[: start + 1] if 0 <= start < len(token_ids) else token_ids
         row = forward_batch.req_pool_indices[index]
-        slots = runner.req_to_token_pool.req_to_token[row, : len(token_ids)]
-        kept += _keep_rows(registry, variants, token_ids, runner.token_to_kv_pool, slots)
+        slots = runner.req_to_token_pool.req_to_token[row, : len(prompt)]
+        try:
+            kept += _keep_rows(registry, variants, prompt, runner.token_to_kv_pool, slots)
+        except Exception:  # a bug or an allocation failure: the batch goes on without them
+            logger.exception("shadow check %s: its rows not kept", rid)
+            variants.failed_capture()
     return kept
 
 
@@ -130,18 +142,26 @@ def _keep_rows(
 ) -> int:
     """The rows at `slots` (the prompt's, positions 0..n-1) of every matched chunk span."""
     matches = registry.find(token_ids)
-    documents = document_set(matches)
+    documents = document_set(matches, token_ids)
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+    # Bytes of a token's rows over every layer (keys and values), before any is copied.
+    per_token = sum(
+        buffer[0].numel() * buffer.element_size()
+        for layer in layers
+        for buffer in (kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer))
+    )
     kept = 0
     for match in matches:
+        if not variants.fits(match.length * per_token):
+            continue
         positions = torch.arange(match.prompt_start, match.prompt_end, device=slots.device)
         span = slots[match.prompt_start : match.prompt_end].to(torch.long)
         keys, values = pre_rope_rows(kv_pool, span, positions, registry.rope)
-        key_rows, value_rows = list(keys.unbind(0)), list(values.unbind(0))
         chunk = PrecomputedChunk(
             token_ids=tuple(token_ids[match.prompt_start : match.prompt_end]),
-            keys=tuple(key_rows),
-            values=tuple(value_rows),
-            freq_scores=layer_frequency_scores(key_rows, value_rows, registry.alpha),
+            keys=tuple(keys.unbind(0)),
+            values=tuple(values.unbind(0)),
+            freq_scores=stacked_frequency_scores(keys, values, registry.alpha),
             alpha=registry.alpha,
         )
         kept += variants.keep(documents, match, chunk)

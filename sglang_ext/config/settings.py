@@ -211,15 +211,16 @@ class ExtensionSettings(BaseModel):
     # documents"). A prompt of other documents is untouched.
     fusion_shadow_refresh: bool = Field(
         True,
-        description="A shadow check keeps the rows it computed of each document its prompt "
-        "holds whole, in host memory, as that document's variant for the prompt's document "
-        "set; a later fused prompt holding the same documents, in any order, reads them "
-        "instead of the stored chunks. Never written to a chunk tier.",
+        description="A shadow check keeps the rows it computed of each chunk span its prompt "
+        "matched, in host memory, for the prompt's start and document set; a later fused "
+        "prompt of the same start and documents, in any order, reads them instead of the "
+        "stored rows. Never written to a chunk tier.",
     )
     fusion_context_variant_bytes: int = Field(
         1024**3,
         gt=0,
-        description="Host memory for the variants fusion_shadow_refresh keeps, LRU beyond it.",
+        description="Host memory for the rows fusion_shadow_refresh keeps, per scheduler "
+        "process, beside chunk_store_bytes; LRU beyond it.",
     )
     fusion_ratio_table: str | None = Field(
         None,

@@ -163,7 +163,7 @@ class ExtensionMetrics:
             "Documents' rows a shadow check computed in their prompt, kept for the same "
             "document set (fusion_shadow_refresh), by outcome: kept, used (read by a fused "
             "prompt of that set instead of the stored chunk), evicted (LRU beyond "
-            "fusion_context_variant_bytes).",
+            "fusion_context_variant_bytes), failed (logged; the batch went on).",
             "outcome",
         )
         self._target_ratio = gauge(
