@@ -1,5 +1,5 @@
 """The rows shadow checks keep per document set (`chunk_fusion/context_variants.py`): keyed by
-the prompt's start, the set in no order and the matched span, bounded in bytes (least recently
+the set in no order and the matched span, bounded in bytes (least recently
 read first out), and dropped with any document of their set. Kept and read through a real server:
 tests/test_server_auto_chunks.py."""
 
@@ -25,26 +25,18 @@ def _match(chunk_id: str, start: int = 0, length: int = 10, at: int = 3) -> Chun
     return ChunkMatch(chunk_id, prompt_start=at, chunk_start=start, length=length)
 
 
-def _set(*chunk_ids: str) -> tuple[str, frozenset[str]]:
-    return "", frozenset(chunk_ids)
+def _set(*chunk_ids: str) -> frozenset[str]:
+    return frozenset(chunk_ids)
 
 
-def test_variants_are_found_by_prompt_start_and_document_set_in_any_order_and_by_span() -> None:
+def test_variants_are_found_by_document_set_in_any_order_and_by_span() -> None:
     variants = ContextVariants(capacity_bytes=1 << 20)
     rows = _rows(10)
-    system = [7, 8, 9]  # the tokens before the first chunk
-    kept = document_set([_match("a"), _match("b", at=20)], [*system, *range(40)])
+    kept = document_set([_match("a"), _match("b", at=20)])
     assert variants.keep(kept, _match("a"), rows)
-    later = [*system, *range(100, 140)]  # the same start, the documents in the other order
-    assert variants.get(document_set([_match("b"), _match("a", at=20)], later), _match("a")) is rows
-    assert variants.get(document_set([_match("a"), _match("c", at=20)], later), _match("a")) is None
-    assert variants.get(document_set([_match("a")], later), _match("a")) is None
-    # After another system prompt the rows were not computed in this prompt's context.
-    other_start = [1, 2, 3, *range(40)]
-    assert (
-        variants.get(document_set([_match("a"), _match("b", at=20)], other_start), _match("a"))
-        is None
-    )
+    assert variants.get(document_set([_match("b"), _match("a", at=20)]), _match("a")) is rows
+    assert variants.get(document_set([_match("a"), _match("c", at=20)]), _match("a")) is None
+    assert variants.get(document_set([_match("a")]), _match("a")) is None
     # Another span of the same chunk (its label left out in this prompt) is not these rows.
     assert variants.get(kept, _match("a", 3, 7)) is None
     assert variants.stats()["used"] == 1

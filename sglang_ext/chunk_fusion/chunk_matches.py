@@ -57,7 +57,7 @@ def pinned_chunk_segments(
     matches = registry.find(tokens)
     # A probe measures the stored rows through a codec: never a variant.
     variants = registry.context_variants if probe_form is None else None
-    documents = document_set(matches, tokens)
+    documents = document_set(matches)
     in_context: set[str] = set()
     for match in matches:
         began = time.perf_counter()
@@ -139,7 +139,7 @@ def prefix_agreement(
     """How many of a prompt's chunks were computed after the prefix the prompt starts with
     ("same"), after another one ("other"), alone ("alone"), with none recorded ("unknown"), or
     read as a shadow check computed them in a prompt of these documents (`in_context`: after
-    this prompt's own start and the other documents). A chunk computed after another prefix is
+    that prompt's start and the other documents). A chunk computed after another prefix is
     still used; the response says so."""
     counts = dict.fromkeys(("same", "other", "alone", "unknown", "in_context"), 0)
     starts: dict[int, str] = {}  # the prompt's own prefix id per length, hashed once

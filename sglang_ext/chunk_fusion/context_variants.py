@@ -24,25 +24,24 @@ costs only what it gained. A chunk the registry forgets drops its variants.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.radix.chunk_index import ChunkMatch
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 
-# The prompt's start before its first chunk (system prompt, chat header) and the chunks it
-# matched, in no order.
-DocumentSet = tuple[str, frozenset[str]]
+# The chunks a prompt matched, in no order. Not the prompt's start: the tokens before its first
+# match hold the first document's leading tokens wherever the tokenizer merges them with the
+# label before it ("Document 1. The" is not "Document 1." + the chunk's "The"), so a key with
+# them missed most repeats of a set in another order (benchmarks/results/shadow_refresh_qwen_r0.5.json).
+DocumentSet = frozenset[str]
 _Key = tuple[DocumentSet, str, int, int]  # documents, chunk id, span start and end in the chunk
 
 
-def document_set(matches: list[ChunkMatch], token_ids: Sequence[int]) -> DocumentSet:
-    """The key of a prompt's variants: what comes before its first chunk (rows computed after
-    another system prompt are not this prompt's) and the chunks it matched, in no order."""
-    start = min((match.prompt_start for match in matches), default=0)
-    return prefix_id(list(token_ids[:start])), frozenset(match.chunk_id for match in matches)
+def document_set(matches: list[ChunkMatch]) -> DocumentSet:
+    """The key of a prompt's variants: the chunks it matched, in no order."""
+    return frozenset(match.chunk_id for match in matches)
 
 
 class ContextVariants:
@@ -99,7 +98,7 @@ class ContextVariants:
         gone = set(chunk_ids)
         if not gone or not self._rows:
             return
-        for key in [key for key in self._rows if not gone.isdisjoint(key[0][1])]:
+        for key in [key for key in self._rows if not gone.isdisjoint(key[0])]:
             self.bytes_used -= self._rows.pop(key).nbytes
 
     def stats(self) -> dict[str, Any]:

@@ -142,7 +142,7 @@ def _keep_rows(
 ) -> int:
     """The rows at `slots` (the prompt's, positions 0..n-1) of every matched chunk span."""
     matches = registry.find(token_ids)
-    documents = document_set(matches, token_ids)
+    documents = document_set(matches)
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
     # Bytes of a token's rows over every layer (keys and values), before any is copied.
     per_token = sum(

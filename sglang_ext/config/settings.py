@@ -205,16 +205,16 @@ class ExtensionSettings(BaseModel):
         le=100000,
         description="How many of the latest checks /server_info's rolling window averages.",
     )
-    # On: rows computed in a prompt of the same documents fuse closer to the full prefill; live
-    # on Qwen2.5 at r = 0.15 the later asks of recurring document sets kept 0.96 of served
-    # tokens against 0.83 without (docs/fusion-quality.md, "A check's rows for the same
-    # documents"). A prompt of other documents is untouched.
+    # Off unless asked: live on Qwen2.5 at a pinned r = 0.15 the later asks of recurring
+    # document sets kept 0.96 of served tokens against 0.83 without, but at r = 0.5 (the
+    # default's ratio there) answers are at the ceiling already and 1 of 5 reads went lower
+    # (docs/fusion-quality.md, "A check's rows for the same documents").
     fusion_shadow_refresh: bool = Field(
-        True,
+        False,
         description="A shadow check keeps the rows it computed of each chunk span its prompt "
-        "matched, in host memory, for the prompt's start and document set; a later fused "
-        "prompt of the same start and documents, in any order, reads them instead of the "
-        "stored rows. Never written to a chunk tier.",
+        "matched, in host memory, for the prompt's document set; a later fused prompt of the "
+        "same documents, in any order, reads them instead of the stored rows. Never written "
+        "to a chunk tier.",
     )
     fusion_context_variant_bytes: int = Field(
         1024**3,
