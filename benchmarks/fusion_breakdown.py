@@ -146,7 +146,7 @@ class Request:
 
     def __init__(self, adapter: Any, tokenizer: Any, docs: list[str], prompt: str) -> None:
         self.ids: list[int] = tokenizer.encode(prompt)
-        self.registry = ChunkRegistry(2**31, adapter.rope_spec)
+        self.registry = ChunkRegistry(2**31, adapter.rope_specs())
         for doc in docs:
             tokens = tokenizer.encode(doc, add_special_tokens=False)
             self.registry.add(precompute_chunk(adapter, tokens))

@@ -48,7 +48,7 @@ def question_segments(
     shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
     ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
     prefix = tokenizer.encode(chat_prefix(), add_special_tokens=False) if prefix_chunks else []
-    registry = ChunkRegistry(2**34, adapter.rope_spec)
+    registry = ChunkRegistry(2**34, adapter.rope_specs())
     if traffic_question is not None:
         chunks = traffic_chunks(
             example, tokenizer, adapter, traffic_question, prefix, traffic_others

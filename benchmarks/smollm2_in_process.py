@@ -33,7 +33,7 @@ def question_segments(
     paragraphs = documents_of(example, documents)
     shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
     ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
-    registry = ChunkRegistry(2**31, adapter.rope_spec)
+    registry = ChunkRegistry(2**31, adapter.rope_specs())
     for paragraph in paragraphs:
         tokens = tokenizer.encode(paragraph, add_special_tokens=False)
         registry.add(precompute_chunk(adapter, tokens))

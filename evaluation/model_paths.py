@@ -17,6 +17,11 @@ PREPARED_MARKER = ".prepared"
 PREPARE_HINT = "python scripts/prepare_models.py smollm2"
 
 
+def tiny_family_dir(family: str) -> str:
+    """The folder name of the tiny random model of `family` (`evaluation/tiny_families.py`)."""
+    return f"tiny-{family.replace('_', '-')}"
+
+
 def cache_dir() -> Path:
     root = os.environ.get("SGLANG_EXT_CACHE") or Path.home() / ".cache" / "sglang-hicache-ext"
     return Path(root) / "models"

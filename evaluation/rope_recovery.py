@@ -23,6 +23,6 @@ def rope_recovery_errors(adapter: HFCausalLMAdapter, ids: Sequence[int], shift: 
     errors = []
     for layer in range(adapter.shape.num_layers):
         truth = cache.layers[layer].keys[0].transpose(0, 1)
-        recovered = apply_rope(chunk.keys[layer], positions, adapter.rope_spec)
+        recovered = apply_rope(chunk.keys[layer], positions, adapter.layers[layer].rope)
         errors.append(float((recovered - truth).norm() / truth.norm()))
     return errors

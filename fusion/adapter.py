@@ -2,12 +2,16 @@
 
 An adapter exposes a decoder-only RoPE model as four steps per layer so the executor can choose,
 per layer, which tokens are computed. Write one per engine: `adapters/hf.py` for transformers;
-an SGLang adapter can wrap SGLang's own modules the same way.
+an SGLang adapter can wrap SGLang's own modules the same way. What a model family differs in
+that the executor must honour (a layer's RoPE, its sliding window, its score softcap) is part of
+the contract as `LayerAttention`, never a branch on the family inside the executor.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -24,11 +28,60 @@ class AttentionInputs(NamedTuple):
     value: torch.Tensor
 
 
+@dataclass(frozen=True, eq=False)
+class LayerAttention:
+    """How one layer's attention scores keys.
+
+    rope: the rotation of its queries and keys. sliding_window: a query at position p sees the
+    keys at p - sliding_window < k <= p (None: every earlier key), transformers' convention.
+    logit_cap: scores become cap * tanh(score / cap) before the softmax (0: none).
+    """
+
+    rope: RopeSpec
+    sliding_window: int | None = None
+    logit_cap: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.logit_cap < 0:
+            raise ValueError(f"logit_cap must be >= 0, got {self.logit_cap}")
+
+
+def uniform_layers(rope: RopeSpec, num_layers: int) -> tuple[LayerAttention, ...]:
+    """Every layer full causal attention with one RoPE (Llama, Qwen2, ...)."""
+    plain = LayerAttention(rope)
+    return (plain,) * num_layers
+
+
+def layers_from(
+    ropes: Sequence[RopeSpec], windows: Sequence[int | None], logit_cap: float = 0.0
+) -> tuple[LayerAttention, ...]:
+    """Per-layer attention from per-layer RoPE specs and windows (one object per distinct kind)."""
+    if len(ropes) != len(windows):
+        raise ValueError(f"{len(ropes)} RoPE specs for {len(windows)} layers")
+    kinds: dict[tuple[int, int | None], LayerAttention] = {}
+    out = []
+    for rope, window in zip(ropes, windows, strict=True):
+        key = (id(rope), window)
+        if key not in kinds:
+            kinds[key] = LayerAttention(rope, window, logit_cap)
+        out.append(kinds[key])
+    return tuple(out)
+
+
 class ModelAdapter(ABC):
-    """A RoPE decoder split at the attention op. Hidden states are [n, hidden_size]."""
+    """A RoPE decoder split at the attention op. Hidden states are [n, hidden_size].
+
+    `layers[l]` says how layer l attends; `rope_spec` is layer 0's rotation (the one of every
+    layer for most families). The executor rotates through `rotate` and attends as `layers`
+    says, so an adapter whose modules reproduce its engine's forward gives that forward's
+    output at ratio 1.
+    """
 
     shape: ModelShape
     rope_spec: RopeSpec
+    layers: tuple[LayerAttention, ...]
     attn_scale: float
     device: torch.device  # where activations and KV live
     dtype: torch.dtype  # activation / KV dtype
@@ -39,7 +92,8 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def attention_inputs(self, layer: int, hidden: torch.Tensor) -> AttentionInputs:
-        """Input norm and q/k/v projections of `layer`, before RoPE."""
+        """Input norm and q/k/v projections of `layer` (and per-head q/k norms where the
+        family has them), before RoPE."""
 
     @abstractmethod
     def attention_output(
@@ -49,8 +103,14 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: float32 logits [n, vocab]."""
+        """Final norm and LM head (and final softcap where the family has one): float32
+        logits [n, vocab]."""
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Apply RoPE to q or k [n, H, D] at `positions`; override to use an engine's kernel."""
-        return apply_rope(x, positions, self.rope_spec)
+    def rope_specs(self) -> tuple[RopeSpec, ...]:
+        """Each layer's rotation: what a stored chunk's keys are rotated back with."""
+        return tuple(layer.rope for layer in self.layers)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """Apply `layer`'s RoPE to q or k [n, H, D] at `positions`; override to use an
+        engine's kernel."""
+        return apply_rope(x, positions, self.layers[layer].rope)

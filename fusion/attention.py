@@ -31,6 +31,8 @@ def position_causal_attention(
     *,
     causal: bool | None = None,
     host_positions: torch.Tensor | None = None,
+    window: int | None = None,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """Attend `query` [q, Hq, D] over `key`/`value` [k, Hkv, D] by position.
 
@@ -44,7 +46,14 @@ def position_causal_attention(
     prefill or an extend); False, keys 0..k-1 and queries at other ascending positions (a
     fused prefill's selection); None, found from the positions. host_positions: with causal
     False, the queries' positions in host memory, from which a GPU blocks the queries.
+    window: a query at p sees only keys at p - window < k <= p (a sliding-window layer);
+    logit_cap: scores capped as cap * tanh(score / cap) before the softmax. Either takes the
+    explicit-mask path (torch), which a window no pair reaches skips.
     """
+    if logit_cap or _window_cuts(window, query_positions, key_positions):
+        return _masked_attention(
+            query, key, value, query_positions, key_positions, scale, window, logit_cap
+        )
     if _flashinfer_chosen(backend, query) and (backend == "flashinfer" or causal is not False):
         return _flashinfer_attention(
             query, key, value, query_positions, key_positions, scale, causal, host_positions
@@ -88,6 +97,67 @@ def position_causal_attention(
     return out.squeeze(0).transpose(0, 1)
 
 
+def _window_cuts(
+    window: int | None, query_positions: torch.Tensor, key_positions: torch.Tensor
+) -> bool:
+    """True when some query is farther than `window` from some key it would otherwise see."""
+    if window is None or query_positions.numel() == 0 or key_positions.numel() == 0:
+        return False
+    return bool(query_positions.max() - key_positions.min() >= window)
+
+
+def visible_keys(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """[q, k] mask of the keys each query attends: causal, and inside `window` when set."""
+    distance = query_positions.unsqueeze(1) - key_positions.unsqueeze(0)
+    visible = distance >= 0
+    if window is not None:
+        visible &= distance < window
+    return visible
+
+
+# Query rows per block of the explicit-mask path: bounds its [H, q, k] scores.
+_MASKED_BLOCK = 1024
+
+
+def _masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float | None,
+    window: int | None,
+    logit_cap: float,
+) -> torch.Tensor:
+    """Attention with an explicit [q, k] mask (causal, windowed) and optional score softcap,
+    as transformers' eager Gemma computes it: scores capped, masked, softmax in float32."""
+    if query.shape[0] == 0:
+        return query.new_empty((0, query.shape[1], value.shape[-1]))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    group = query.shape[1] // key.shape[1]
+    outs = []
+    for start in range(0, query.shape[0], _MASKED_BLOCK):
+        rows = slice(start, start + _MASKED_BLOCK)
+        mask = visible_keys(query_positions[rows], key_positions, window)
+        q, k, v = _heads_first(query[rows], key, value)
+        if not logit_cap:
+            out = scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=group != 1
+            )
+            outs.append(out.squeeze(0).transpose(0, 1))
+            continue
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / logit_cap) * logit_cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+        outs.append(torch.matmul(weights, v).squeeze(0).transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def tempered_context_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -97,6 +167,7 @@ def tempered_context_attention(
     scale: float,
     temperature: float,
     context_scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """APE's attention of question queries [q, Hq, D] over keys at positions 0..N-1, of which
     `is_context` [N] marks the separately encoded contexts (chunks).
@@ -113,7 +184,7 @@ def tempered_context_attention(
     v = value.float().repeat_interleave(group, dim=1)
     logits = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
     key_positions = torch.arange(key.shape[0], device=key.device)
-    visible = key_positions[None, :] <= query_positions.to(key.device)[:, None]  # [q, N]
+    visible = visible_keys(query_positions.to(key.device), key_positions, window)  # [q, N]
     context = (visible & is_context.to(key.device)[None, :])[None]
     tempered = (logits / temperature).masked_fill(~context, float("-inf"))
     lse = torch.logsumexp(tempered, dim=-1, keepdim=True)

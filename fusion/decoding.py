@@ -43,11 +43,20 @@ def decode_step(
     values: list[torch.Tensor] = []
     for layer in range(adapter.shape.num_layers):
         q, k, v = adapter.attention_inputs(layer, hidden)
-        q, k = adapter.rotate(q, pos), adapter.rotate(k, pos)
+        q, k = adapter.rotate(q, pos, layer), adapter.rotate(k, pos, layer)
         layer_k = torch.cat((kv.keys[layer], k.to(kv.keys[layer].dtype)))
         layer_v = torch.cat((kv.values[layer], v.to(kv.values[layer].dtype)))
+        kind = adapter.layers[layer]
         attn = attend(
-            q, layer_k, layer_v, pos, key_positions, adapter.attn_scale, attention_backend
+            q,
+            layer_k,
+            layer_v,
+            pos,
+            key_positions,
+            adapter.attn_scale,
+            attention_backend,
+            window=kind.sliding_window,
+            logit_cap=kind.logit_cap,
         )
         hidden = adapter.attention_output(layer, hidden, attn)
         keys.append(layer_k)

@@ -203,7 +203,7 @@ def _walk_layers(
                 if state.job.record_signals:
                     state.note_kv_deviation(layer, k_rows, v_rows)
         q_pos = _cat([state.q_pos for state in states])
-        q, k = adapter.rotate(q, q_pos), adapter.rotate(k, q_pos)
+        q, k = adapter.rotate(q, q_pos, layer), adapter.rotate(k, q_pos, layer)
         kept, attended = [], []
         for state, *rows in zip(
             states, hidden.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes), strict=True
@@ -230,6 +230,7 @@ def _attend_request(
     narrowing layer the rows narrow to the selection. Returns the hidden rows that go on and
     their attention output."""
     layout = state.layout
+    kind = adapter.layers[layer]
     prefix_k, prefix_v = state.prefix_kv(layer, k.dtype)
     if layer == state.check_layer:
         # Every token after the prefix was computed up to here, in position order.
@@ -274,6 +275,8 @@ def _attend_request(
         attention_backend,
         causal=state.causal,
         host_positions=state.q_pos_host,
+        window=kind.sliding_window,
+        logit_cap=kind.logit_cap,
     )
     if state.job.tempered:
         question = state.layout.is_question.to(q.device)[state.active_idx]
@@ -286,6 +289,7 @@ def _attend_request(
             adapter.attn_scale,
             state.job.context_temperature,
             state.job.context_scale,
+            kind.sliding_window,
         ).to(attn.dtype)
     if state.job.decode_window:
         # The window's queries computed at this layer (the question's always are).
@@ -340,7 +344,7 @@ def _load_reused(
         empty = torch.empty(shape, device=device, dtype=dtype)
         return _Reused(torch.empty(0, dtype=torch.long, device=device), empty, empty)
     global_positions = state.plan_positions(plan)
-    rotated = adapter.rotate(torch.cat(keys), global_positions)
+    rotated = adapter.rotate(torch.cat(keys), global_positions, layer)
     return _Reused(global_positions, rotated, torch.cat(values))
 
 

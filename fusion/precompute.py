@@ -49,8 +49,18 @@ def precompute_chunk(
         q, k, v = adapter.attention_inputs(layer, hidden)
         keys.append(k[len(prefix) :].contiguous())
         values.append(v[len(prefix) :].contiguous())
-        q, k = adapter.rotate(q, positions), adapter.rotate(k, positions)
-        attn = attend(q, k, v, positions, positions, adapter.attn_scale)
+        q, k = adapter.rotate(q, positions, layer), adapter.rotate(k, positions, layer)
+        kind = adapter.layers[layer]
+        attn = attend(
+            q,
+            k,
+            v,
+            positions,
+            positions,
+            adapter.attn_scale,
+            window=kind.sliding_window,
+            logit_cap=kind.logit_cap,
+        )
         hidden = adapter.attention_output(layer, hidden, attn)
     scores = torch.stack([frequency_scores(k, v, alpha) for k, v in zip(keys, values, strict=True)])
     return PrecomputedChunk(

@@ -22,7 +22,7 @@ RopeLayout = Literal["neox", "gptj"]
 _LENGTH_DEPENDENT = frozenset({"dynamic", "longrope"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RopeSpec:
     """Everything needed to rotate a [n, H, D] tensor to given positions.
 
@@ -46,17 +46,50 @@ class RopeSpec:
 
 
 def rope_spec_from_config(config: Any, layout: RopeLayout = "neox") -> RopeSpec:
-    """Build a RopeSpec from a transformers config, using transformers' own init functions."""
+    """Build a RopeSpec from a transformers config, using transformers' own init functions.
+
+    A config whose layers rotate differently (Gemma 3: one base for sliding layers, another for
+    full ones) has no single spec: ValueError; `layer_rope_specs` gives one per layer."""
+    specs = set(layer_rope_specs(config, layout))
+    if len(specs) != 1:
+        raise ValueError(
+            "the model's layers rotate with different RoPE specs; use layer_rope_specs"
+        )
+    return specs.pop()
+
+
+def layer_rope_specs(config: Any, layout: RopeLayout = "neox") -> tuple[RopeSpec, ...]:
+    """One RopeSpec per layer of a transformers config (layers of one kind share the object).
+
+    transformers 5 nests `rope_parameters` by layer type when the kinds rotate differently
+    (Gemma 3's sliding and full attention); each layer takes its type's parameters."""
+    params = _rope_parameters(config)
+    num_layers = int(config.num_hidden_layers)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if layer_types and all(isinstance(params.get(kind), dict) for kind in set(layer_types)):
+        by_kind = {
+            kind: _spec(config, dict(params[kind]), layout, kind) for kind in set(layer_types)
+        }
+        return tuple(by_kind[kind] for kind in layer_types[:num_layers])
+    return (_spec(config, params, layout, None),) * num_layers
+
+
+def _spec(
+    config: Any, params: dict[str, Any], layout: RopeLayout, layer_type: str | None
+) -> RopeSpec:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = _rope_parameters(config)
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type in _LENGTH_DEPENDENT:
         raise ValueError(f"RoPE type {rope_type!r} depends on sequence length; cannot recover")
     if rope_type == "default":
         inv_freq, scaling = _default_inv_freq(config, params), 1.0
     elif rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        init = ROPE_INIT_FUNCTIONS[rope_type]
+        if layer_type is None:
+            inv_freq, scaling = init(config, torch.device("cpu"))
+        else:
+            inv_freq, scaling = init(config, torch.device("cpu"), layer_type=layer_type)
     else:
         raise ValueError(f"unsupported RoPE type {rope_type!r}")
     return RopeSpec(inv_freq=inv_freq.float(), attention_scaling=float(scaling), layout=layout)
@@ -158,6 +191,27 @@ def _default_inv_freq(config: Any, params: dict[str, Any]) -> torch.Tensor:
     )
     dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+# A model's rotations: one spec for every layer, or one per layer (`layer_rope_specs`).
+LayerRopes = RopeSpec | tuple[RopeSpec, ...]
+
+
+def unrotate_layers(x: torch.Tensor, positions: torch.Tensor, specs: LayerRopes) -> torch.Tensor:
+    """`unrotate` of keys stacked by layer ([L, n, H, D]) whose layer l was rotated with
+    `specs[l]` (or with `specs` itself, one spec): one rotation per distinct spec."""
+    if isinstance(specs, RopeSpec):
+        return unrotate(x, positions, specs)
+    if x.shape[0] != len(specs):
+        raise ValueError(f"{x.shape[0]} layers of keys but {len(specs)} RoPE specs")
+    distinct = list(dict.fromkeys(specs))
+    if len(distinct) == 1:
+        return unrotate(x, positions, distinct[0])
+    out = torch.empty_like(x)
+    for spec in distinct:
+        layers = [layer for layer, each in enumerate(specs) if each == spec]
+        out[layers] = unrotate(x[layers], positions, spec)
+    return out
 
 
 def unrotate(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:

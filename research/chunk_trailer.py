@@ -86,8 +86,8 @@ def prefix_rows(
         keys.append(k)
         values.append(v)
         attn = attention(
-            adapter.rotate(q, positions),
-            adapter.rotate(k, positions),
+            adapter.rotate(q, positions, layer),
+            adapter.rotate(k, positions, layer),
             v,
             positions,
             positions,
@@ -120,8 +120,8 @@ def trailer_chunk(
         all_k = torch.cat([context.keys[layer], k])
         all_v = torch.cat([context.values[layer], v])
         attn = attention(
-            adapter.rotate(q, q_pos),
-            adapter.rotate(all_k, all_pos),
+            adapter.rotate(q, q_pos, layer),
+            adapter.rotate(all_k, all_pos, layer),
             all_v,
             q_pos,
             all_pos,

@@ -82,8 +82,8 @@ def fused_forward(
         all_k = base_k.index_put((comp_pos,), k)
         all_v = base_v.index_put((comp_pos,), v)
         attn = attention(
-            adapter.rotate(q, comp_pos),
-            adapter.rotate(all_k, everything),
+            adapter.rotate(q, comp_pos, layer),
+            adapter.rotate(all_k, everything, layer),
             all_v,
             comp_pos,
             everything,

@@ -35,7 +35,9 @@ from sglang_hicache_ext.evaluation.model_paths import (
     TINY_QWEN2,
     cache_dir,
     model_dir,
+    tiny_family_dir,
 )
+from sglang_hicache_ext.evaluation.tiny_families import FAMILIES
 
 __all__ = [
     "QWEN_CODER",
@@ -260,20 +262,44 @@ def _build_tiny(family: str) -> Callable[[Path], None]:
     return build
 
 
+def _build_tiny_family(family: str) -> Callable[[Path], None]:
+    """A tiny random model of one of the families fusion serves (`evaluation/tiny_families.py`),
+    with the tiny Llama's tokenizer."""
+
+    def build(out: Path) -> None:
+        from sglang_hicache_ext.evaluation.tiny_families import tiny_family_model
+
+        tokenizer_source = prepare(TINY_LLAMA)
+        for item in tokenizer_source.iterdir():
+            if item.name.startswith("tokenizer") or item.name == "special_tokens_map.json":
+                shutil.copy2(item, out / item.name)
+        model = tiny_family_model(family)
+        model.save_pretrained(out, safe_serialization=True)
+
+    return build
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     SMOLLM2: _build_smollm2,
     TINY_LLAMA: _build_tiny("llama"),
     TINY_QWEN2: _build_tiny("qwen2"),
     QWEN_CODER: _build_qwen_coder,
+    **{tiny_family_dir(family): _build_tiny_family(family) for family in FAMILIES},
 }
 ALIASES = {
     "smollm2": SMOLLM2,
     "tiny-llama": TINY_LLAMA,
     "tiny-qwen2": TINY_QWEN2,
     "qwen-coder": QWEN_CODER,
+    **{tiny_family_dir(family): tiny_family_dir(family) for family in FAMILIES},
 }
 # What `make models` prepares (the demo and tests); the 0.5B model is for quality benchmarks only.
-DEFAULT_MODELS = ("smollm2", "tiny-llama", "tiny-qwen2")
+DEFAULT_MODELS = (
+    "smollm2",
+    "tiny-llama",
+    "tiny-qwen2",
+    *(tiny_family_dir(family) for family in FAMILIES),
+)
 
 
 def prepare(name: str) -> Path:

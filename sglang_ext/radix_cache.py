@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sglang_hicache_ext.fusion.rope import rope_spec_from_config
+from sglang_hicache_ext.fusion.rope import layer_rope_specs
 from sglang_hicache_ext.radix.segments import break_token_ids
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
@@ -215,7 +215,7 @@ def _chunk_registry(
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
         return None, "chunk registration needs a full-attention model (no SWA / Mamba layers)"
     try:
-        rope = rope_spec_from_config(ctx.model_config.hf_config)
+        rope = layer_rope_specs(ctx.model_config.hf_config)
     except (ValueError, AttributeError, KeyError) as err:
         return None, f"cannot recover RoPE positions for this model: {err}"
     disk = None

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.registry import (
+    NoAdapterError,
+    adapter_class,
+)
+from sglang_hicache_ext.sglang_ext.chunk_fusion.model_check import ModelCheck
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOptions, parse_options
 from sglang_hicache_ext.sglang_ext.config.settings import (
     DEFAULT_TARGET_AGREEMENT,
@@ -146,8 +151,42 @@ def test_auto_ratio_setting_with_or_without_a_table() -> None:
 
 
 def test_model_family_without_adapter_is_refused_by_name() -> None:
-    class Gemma2ForCausalLM:  # a real SGLang class name that has no fusion adapter
+    class BloomForCausalLM:  # a real SGLang class name that has no fusion adapter
         pass
 
-    with pytest.raises(ValueError, match="no adapter for Gemma2ForCausalLM"):
-        SGLangModelAdapter(Gemma2ForCausalLM(), hf_config=None)
+    with pytest.raises(
+        NoAdapterError, match="no adapter for BloomForCausalLM; supported: .*Gemma3"
+    ):
+        adapter_class(BloomForCausalLM)
+
+
+def test_deepseek_mla_is_refused_with_its_reason() -> None:
+    class DeepseekV2ForCausalLM:
+        pass
+
+    class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+        pass
+
+    with pytest.raises(NoAdapterError, match="MLA keeps one latent vector"):
+        adapter_class(DeepseekV3ForCausalLM)
+
+
+def test_model_without_adapter_falls_back_as_no_adapter_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class BloomForCausalLM:
+        pass
+
+    runner = SimpleNamespace(
+        model=BloomForCausalLM(), model_config=SimpleNamespace(hf_config=None), attn_backend=None
+    )
+    check = ModelCheck()
+    with caplog.at_level("ERROR"):
+        assert check.adapter(runner) is None
+        assert check.adapter(runner) is None  # decided once: no second attempt, no second line
+    assert check.fallback == "no_adapter" and check.stats()["state"] == "no_adapter"
+    (line,) = [r.getMessage() for r in caplog.records if "fusion disabled" in r.getMessage()]
+    # The launch log names the families that have an adapter.
+    assert (
+        "BloomForCausalLM" in line and "Qwen3MoeForCausalLM" in line and "Gemma2ForCausalLM" in line
+    )

@@ -57,7 +57,7 @@ def test_chunk_precomputed_after_prefix_holds_that_forward_s_rows(
     cache = _hf_cache(adapter, ids)
     for layer in range(adapter.shape.num_layers):
         # HF's cache holds keys after RoPE at their positions; ours before it.
-        stored = adapter.rotate(chunk.keys[layer], torch.arange(12, 40))
+        stored = adapter.rotate(chunk.keys[layer], torch.arange(12, 40), layer)
         torch.testing.assert_close(
             stored, cache.layers[layer].keys[0].transpose(0, 1)[12:], rtol=0, atol=ATOL
         )

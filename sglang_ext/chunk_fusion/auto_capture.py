@@ -43,7 +43,7 @@ import torch
 
 from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.fusion.frequency import stacked_frequency_scores
-from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
+from sglang_hicache_ext.fusion.rope import LayerRopes, unrotate_layers
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import gather_rows
@@ -115,13 +115,13 @@ def _prepared(
     keys: torch.Tensor,
     values: torch.Tensor,
     positions: torch.Tensor,
-    rope: RopeSpec,
+    rope: LayerRopes,
     alpha: float,
 ) -> list[_Piece]:
     """The pieces at `spans` (start, end, chunk id) of `tokens` with their rows: `keys` and
     `values` are the rows of all of them, in order, as the pool held them ([L, n, H, D]); keys
     rotated back from `positions`, one copy per piece, scores. Runs on the background thread."""
-    keys = unrotate(keys, positions.to(keys.device), rope).cpu()
+    keys = unrotate_layers(keys, positions.to(keys.device), rope).cpu()
     values = values.cpu()
     ready, offset = [], 0
     for start, end, chunk_id in spans:

@@ -18,11 +18,11 @@ import torch
 
 from sglang_hicache_ext.fusion.decode_eviction import DEFAULT_WINDOW
 from sglang_hicache_ext.fusion.executor import FusionJob, FusionResult, fused_prefill_batch
-from sglang_hicache_ext.fusion.request import ChunkSegment
+from sglang_hicache_ext.fusion.request import ChunkSegment, Segment
 from sglang_hicache_ext.fusion.request_state import KVCache
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.decoder import SGLangDecoderAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import keep_for_decode
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows, RoundRows
-from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime, RequestPlan
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def run_fused_batch(
     rt: FusionRuntime,
-    adapter: SGLangModelAdapter,
+    adapter: SGLangDecoderAdapter,
     runner: Any,
     forward_batch: Any,
     plans: list[RequestPlan],
@@ -108,13 +108,29 @@ def run_fused_batch(
         infos.append({**rows.info, "prefill_rounds": rows.rounds})
         offset += plan.extend_len
     model = runner.model
-    output = model.logits_processor(forward_batch.input_ids, hidden, model.lm_head, forward_batch)
+    output = model.logits_processor(forward_batch.input_ids, hidden, adapter.lm_head, forward_batch)
     output.customized_info = {**(output.customized_info or {}), META_KEY: infos}
     return ModelRunnerOutput(logits_output=output, can_run_graph=False)
 
 
+def model_check_prompts(
+    adapter: SGLangDecoderAdapter, runner: Any, forward_batch: Any, plans: list[RequestPlan]
+) -> list[tuple[list[Segment], KVCache | None, int]]:
+    """What the model check fuses of a batch SGLang prefills normally: each request's whole
+    prompt over the prefix its tree matched, and the position whose logits this round of the
+    normal prefill computes (its last token, or the round's last under chunked prefill)."""
+    return [
+        (
+            plan.segments,
+            _exact_prefix(adapter, runner, forward_batch, index, plan.prefix_len),
+            plan.prefix_len + plan.extend_len - 1,
+        )
+        for index, plan in enumerate(plans)
+    ]
+
+
 def _job(
-    adapter: SGLangModelAdapter, runner: Any, forward_batch: Any, index: int, plan: RequestPlan
+    adapter: SGLangDecoderAdapter, runner: Any, forward_batch: Any, index: int, plan: RequestPlan
 ) -> FusionJob:
     req = plan.req
     num_tokens = len(req.origin_input_ids)
@@ -139,7 +155,7 @@ def _job(
 
 
 def _exact_prefix(
-    adapter: SGLangModelAdapter, runner: Any, forward_batch: Any, index: int, prefix_len: int
+    adapter: SGLangDecoderAdapter, runner: Any, forward_batch: Any, index: int, prefix_len: int
 ) -> KVCache | None:
     """The KV of the prefix SGLang matched in its tree: rows 0..prefix_len-1 of the request's
     row in req_to_token, read from the KV pool (exact, as a normal prefill wrote them)."""
@@ -155,7 +171,7 @@ def _exact_prefix(
     )
 
 
-def _rows_of(adapter: SGLangModelAdapter, plan: RequestPlan, result: FusionResult) -> FusedRows:
+def _rows_of(adapter: SGLangDecoderAdapter, plan: RequestPlan, result: FusionResult) -> FusedRows:
     """Everything the executor produced after the exact prefix, ready to hand out by round."""
     assert result.kv is not None and result.hidden is not None and plan.options is not None
     prefix_len = result.prefix_tokens
@@ -233,7 +249,7 @@ def _capture_pieces(
     rt.auto_capture.capture(plan.rid, tokens, runner.token_to_kv_pool, slots, fused=True)
 
 
-def _write(kv_pool: Any, adapter: SGLangModelAdapter, loc: torch.Tensor, rows: RoundRows) -> None:
+def _write(kv_pool: Any, adapter: SGLangDecoderAdapter, loc: torch.Tensor, rows: RoundRows) -> None:
     for layer in range(adapter.shape.num_layers):
         layer_id = kv_pool.start_layer + layer
         kv_pool.get_key_buffer(layer_id)[loc] = rows.keys[layer].to(loc.device, kv_pool.dtype)

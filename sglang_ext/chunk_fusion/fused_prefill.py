@@ -31,7 +31,10 @@ import logging
 from typing import Any
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
-from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_forward import run_fused_batch
+from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_forward import (
+    model_check_prompts,
+    run_fused_batch,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import check_probe_params
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
     FusionRuntime,
@@ -210,9 +213,17 @@ def forward_with_fusion(
         return output
     try:
         if all(plan.fused for plan in plans):
-            adapter = rt.adapter(runner)
+            adapter = rt.model.adapter(runner)
+            checked = None
+            if adapter is not None and rt.model.pending:
+                # The gate: the normal prefill first, the same prompts fused at ratio 1 beside
+                # it. A pass fuses the batch (its rows overwrite the normal prefill's slots).
+                checked = original(runner, forward_batch, *args, **kwargs)
+                prompts = model_check_prompts(adapter, runner, forward_batch, plans)
+                if not rt.model.check(adapter, prompts, checked.logits_output.next_token_logits):
+                    adapter = None
             if adapter is None:
-                fall_back(rt, plans, "no_adapter")
+                fall_back(rt, plans, rt.model.fallback or "no_adapter")
             else:
                 try:
                     return run_fused_batch(rt, adapter, runner, forward_batch, plans)
@@ -222,6 +233,9 @@ def forward_with_fusion(
                     logger.error("fusion: %s; normal prefill", err)
                     fall_back(rt, plans, "chunk_unreadable")
             count_fallbacks(rt, plans)  # plan_batch counted none: every plan was fused then
+            if checked is not None:  # the normal prefill already ran: it is the answer
+                _report(checked.logits_output, [plan.info() for plan in plans])
+                return checked
         output = original(runner, forward_batch, *args, **kwargs)
         _report(output.logits_output, [plan.info() for plan in plans])
         return output

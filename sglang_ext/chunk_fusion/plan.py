@@ -29,7 +29,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
 from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.live_fidelity import LiveFidelity
-from sglang_hicache_ext.sglang_ext.chunk_fusion.model_adapter import SGLangModelAdapter
+from sglang_hicache_ext.sglang_ext.chunk_fusion.model_check import ModelCheck
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import probe_form_of
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import registration_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
@@ -64,8 +64,8 @@ class FusionRuntime:
             weakref.WeakKeyDictionary()
         )
         self.counters: Counter[str] = Counter()
-        self._adapter: SGLangModelAdapter | None = None
-        self._adapter_error: str | None = None
+        # The served model's adapter and the gate that proves it exact before fusing.
+        self.model = ModelCheck()
         self._ratio_table: RatioTable | None = None
         # "auto" without a ratio table: ratios from this server's own prefills and loads.
         self.self_tuned = SelfTunedRatios.for_model(
@@ -85,15 +85,6 @@ class FusionRuntime:
                 raise ValueError("no fusion_ratio_table is set")
             self._ratio_table = load_ratio_table(Path(self.settings.fusion_ratio_table))
         return self._ratio_table
-
-    def adapter(self, runner: Any) -> SGLangModelAdapter | None:
-        if self._adapter is None and self._adapter_error is None:
-            try:
-                self._adapter = SGLangModelAdapter(runner.model, runner.model_config.hf_config)
-            except ValueError as err:
-                self._adapter_error = str(err)
-                logger.error("fusion disabled: %s", err)
-        return self._adapter
 
     def will_fuse(self, req: Any) -> bool:
         """Admission's guess whether `req` will be fused; the forward-time plan decides."""
@@ -133,6 +124,7 @@ class FusionRuntime:
             "decode_steps_over_kept_rows": KEPT_ROWS.decode_steps,
             "auto_ratio": self.self_tuned.status(),
             "shadow": self.fidelity.status(),
+            "model_check": self.model.stats(),
         }
 
 

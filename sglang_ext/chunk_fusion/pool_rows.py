@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from sglang_hicache_ext.fusion.rope import RopeSpec, unrotate
+from sglang_hicache_ext.fusion.rope import LayerRopes, unrotate_layers
 
 
 def gather_rows(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
@@ -25,12 +25,12 @@ def gather_rows(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tenso
 
 
 def pre_rope_rows(
-    kv_pool: Any, slots: torch.Tensor, positions: torch.Tensor, rope: RopeSpec
+    kv_pool: Any, slots: torch.Tensor, positions: torch.Tensor, rope: LayerRopes
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The K rows at `slots` of SGLang's KV pool rotated back to pre-RoPE from `positions`, and
     the V rows, every layer stacked ([L, n, H, D] each), on the CPU."""
     layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
     keys = gather_rows([kv_pool.get_key_buffer(layer) for layer in layers], slots)
     values = gather_rows([kv_pool.get_value_buffer(layer) for layer in layers], slots)
-    # One rotation over every layer: the tables are the positions' only.
-    return unrotate(keys, positions.to(keys.device), rope).cpu(), values.cpu()
+    # One rotation over every layer of a kind: the tables are the positions' only.
+    return unrotate_layers(keys, positions.to(keys.device), rope).cpu(), values.cpu()

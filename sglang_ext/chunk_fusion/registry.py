@@ -29,7 +29,7 @@ import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk, chunk_hash
 from sglang_hicache_ext.fusion.frequency import DEFAULT_ALPHA, layer_frequency_scores
-from sglang_hicache_ext.fusion.rope import RopeSpec
+from sglang_hicache_ext.fusion.rope import LayerRopes
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex, ChunkMatch
 from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import ContextVariants
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
@@ -84,7 +84,7 @@ class ChunkRegistry:
     def __init__(
         self,
         capacity_bytes: int,
-        rope: RopeSpec,
+        rope: LayerRopes,
         alpha: float = DEFAULT_ALPHA,
         disk: ChunkDiskTier | None = None,
         stream_from_disk: bool = True,
@@ -244,7 +244,8 @@ class ChunkRegistry:
         )
 
     @property
-    def rope(self) -> RopeSpec:
+    def rope(self) -> LayerRopes:
+        """The rotations a stored chunk's keys were rotated back with (one, or one per layer)."""
         return self._rope
 
     @property

@@ -1,0 +1,161 @@
+"""Every model family fusion serves, through a real CPU server with SGLang's own modules.
+
+One server per family's tiny random model (`evaluation/tiny_families.py`): three documents
+registered, a prompt holding them in another order fused at r = 1 is the normal prefill (the
+same greedy tokens and their logprobs), at r = 0.15 it is fused with no fallback, and the live
+model check passed. The gate refusing a model its adapter does not reproduce, and a model with
+no adapter, are at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from sglang_hicache_ext.evaluation.model_paths import prepared_model, tiny_family_dir
+from sglang_hicache_ext.evaluation.tiny_families import FAMILIES, TEST_WINDOW
+from sglang_hicache_ext.sglang_ext.server.launcher import (
+    ServerConfig,
+    flush_cache,
+    free_port,
+    running_server,
+)
+
+pytestmark = pytest.mark.server
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "river",
+    "stone",
+    "cloud",
+    "paper",
+    "window",
+    "garden",
+    "silver",
+    "orange",
+    "quiet",
+]
+
+
+def _documents(seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(n)) + "." for n in (30, 26, 22)]
+
+
+def _generate(url: str, prompt: str, **custom: object) -> dict:
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "custom_params": custom},
+        "return_logprob": True,
+    }
+    response = requests.post(url + "/generate", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _fusion_state(url: str) -> dict:
+    info = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
+    return info["hicache_ext"]["fusion"]
+
+
+def _serve(model: Path, workdir: Path, **env: str) -> Iterator[ServerConfig]:
+    config = ServerConfig(model_path=str(model), port=free_port(), max_total_tokens=4096, env=env)
+    with running_server(config, workdir / "server.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, ServerConfig]]:
+    family = request.param
+    model = prepared_model(tiny_family_dir(family))
+    assert model is not None, "run `make models`"
+    yield from ((family, running) for running in _serve(model, tmp_path_factory.mktemp(family)))
+
+
+def test_family_fuses_exactly(family_server: tuple[str, ServerConfig]) -> None:
+    family, server = family_server
+    url = server.url
+    docs = _documents()
+    for doc in docs:
+        response = requests.post(url + "/chunks", json={"text": doc}, timeout=120)
+        assert response.status_code == 200, response.text
+    prompt = "Docs: " + "\n\n".join(docs[i] for i in (2, 0, 1)) + "\n\nQuestion: which? Answer:"
+    flush_cache(url)
+    fused = _generate(url, prompt, fusion=True, fusion_selector="full", fusion_recompute_ratio=1.0)
+    (info,) = fused["meta_info"]["hicache_ext_fusion"]
+    assert info["fused"] is True and info["chunks_hit"] == 3 and info["tokens_reused"] == 0
+    assert fused["meta_info"]["prompt_tokens"] > TEST_WINDOW  # Gemma's windows are crossed
+    flush_cache(url)
+    normal = _generate(url, prompt)
+    assert fused["output_ids"] == normal["output_ids"], family
+    fused_lp = [entry[0] for entry in fused["meta_info"]["output_token_logprobs"]]
+    normal_lp = [entry[0] for entry in normal["meta_info"]["output_token_logprobs"]]
+    assert fused_lp == pytest.approx(normal_lp, abs=1e-4), family
+    flush_cache(url)
+    partial = _generate(url, prompt, fusion=True, fusion_recompute_ratio=0.15)
+    (info,) = partial["meta_info"]["hicache_ext_fusion"]
+    assert info["fused"] is True and "fallback" not in info
+    assert info["tokens_reused"] >= 0.8 * info["chunk_tokens"]
+    check = _fusion_state(url)["model_check"]
+    assert check["state"] == "passed" and check["max_relative_logit_error"] <= 1e-3, check
+
+
+@pytest.fixture(scope="module")
+def stretched_llama(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's weights declared as `StretchedLlamaForCausalLM` (tests/fusion_gate_models)."""
+    folder = tmp_path_factory.mktemp("stretched_llama")
+    for item in tiny_llama_path.iterdir():
+        if item.is_file():
+            (folder / item.name).symlink_to(item)
+    config = json.loads((tiny_llama_path / "config.json").read_text())
+    config["architectures"] = ["StretchedLlamaForCausalLM"]
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_gate_switches_fusion_off_for_a_model_its_adapter_does_not_reproduce(
+    spawned_servers: None, stretched_llama: Path, tmp_path: Path
+) -> None:
+    tests_dir = Path(__file__).resolve().parent
+    env = {
+        "SGLANG_EXTERNAL_MODEL_PACKAGE": "fusion_gate_models",
+        "PYTHONPATH": str(tests_dir),
+    }
+    for server in _serve(stretched_llama, tmp_path, **env):
+        url = server.url
+        docs = _documents(seed=1)
+        for doc in docs:
+            assert (
+                requests.post(url + "/chunks", json={"text": doc}, timeout=120).status_code == 200
+            )
+        prompt = "Docs: " + "\n\n".join(reversed(docs)) + "\n\nQuestion: which? Answer:"
+        flush_cache(url)
+        normal = _generate(url, prompt)
+        answers = []
+        for _ in range(2):  # the checked request, then one after the model was switched off
+            flush_cache(url)
+            fused = _generate(url, prompt, fusion=True, fusion_recompute_ratio=0.15)
+            assert fused["meta_info"]["hicache_ext_fusion"] == [
+                {"fused": False, "fallback": "model_check_failed"}
+            ]
+            answers.append(fused["output_ids"])
+        assert answers == [normal["output_ids"]] * 2  # normal answers, unaffected
+        state = _fusion_state(url)
+        assert state["model_check"]["state"] == "failed"
+        assert "relative logit error" in state["model_check"]["reason"]
+        assert state["fallback_model_check_failed"] == 2
+        metrics = requests.get(url + "/metrics", timeout=30).text
+        assert 'reason="model_check_failed"' in metrics
+    log = (tmp_path / "server.log").read_text()
+    assert log.count("model check failed") == 1
