@@ -38,6 +38,14 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "gemma3": ("Gemma3ForCausalLM", "q/k norms, 5:1 sliding layers with their own RoPE base"),
 }
 
+# Families SGLang's CPU engine (0.5.23, no AMX) cannot serve, with the error it stops on: their
+# adapters are proven against transformers' forward in process only.
+NOT_SERVED_ON_CPU: dict[str, str] = {
+    "qwen2_moe": "SGLang's Qwen2-MoE block gates its shared expert in a Triton kernel "
+    "(fused_gate_sigmoid_mul_add) with no CPU driver: 'RuntimeError: 0 active drivers ([]). "
+    "There should only be one.' at the server's warm-up",
+}
+
 
 def family_config(family: str, vocab_size: int = 1024) -> Any:
     """The tiny config of `family` (one of FAMILIES)."""
