@@ -4,7 +4,7 @@ Imports torch only, never sglang, so it runs and benchmarks where SGLang cannot 
 Model adapters live in `sglang_hicache_ext.fusion.adapters` (the transformers one imports transformers).
 """
 
-from sglang_hicache_ext.fusion.adapter import AttentionInputs, ModelAdapter
+from sglang_hicache_ext.fusion.adapter import AttentionInputs, LayerAttention, ModelAdapter
 from sglang_hicache_ext.fusion.attention import (
     attend,
     flashinfer_available,
@@ -17,7 +17,13 @@ from sglang_hicache_ext.fusion.executor import FusionResult, KVCache, fused_pref
 from sglang_hicache_ext.fusion.frequency import frequency_scores, low_pass
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, RequestLayout, TextSegment, build_layout
-from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope, rope_cos_sin, rope_spec_from_config
+from sglang_hicache_ext.fusion.rope import (
+    RopeSpec,
+    apply_rope,
+    layer_rope_specs,
+    rope_cos_sin,
+    rope_spec_from_config,
+)
 from sglang_hicache_ext.fusion.selectors import (
     SELECTORS,
     CheckLayerState,
@@ -27,6 +33,7 @@ from sglang_hicache_ext.fusion.selectors import (
 )
 
 __all__ = [
+    "LayerAttention",
     "SELECTORS",
     "AttentionInputs",
     "CheckLayerState",
@@ -43,6 +50,7 @@ __all__ = [
     "Selector",
     "TextSegment",
     "apply_rope",
+    "layer_rope_specs",
     "attend",
     "build_layout",
     "chunk_hash",

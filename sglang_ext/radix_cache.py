@@ -18,6 +18,10 @@ import torch
 from sglang_hicache_ext.fusion.rope import layer_rope_specs
 from sglang_hicache_ext.radix.segments import break_token_ids
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.registry import (
+    NoAdapterError,
+    adapter_class,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import ContextVariants
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
@@ -182,6 +186,8 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     cache = create_unified_radix_cache(ctx, cache_class=cache_class())
     cache.settings = settings
     cache.chunks, cache.chunks_unavailable = _chunk_registry(ctx, settings)
+    if cache.chunks is not None:
+        _log_fusion_adapter(ctx.model_config.hf_config)
     if cache.chunks is not None and settings.auto_chunks:
         # The preflight refuses auto_chunks with --skip-tokenizer-init: the scheduler has one.
         cache.auto_capture = AutoCapture.for_settings(
@@ -244,6 +250,29 @@ def _chunk_registry(
         disk_read_bytes_per_s=settings.chunk_disk_read_bytes_per_s or None,
     )
     return registry, ""
+
+
+def _log_fusion_adapter(hf_config: Any) -> None:
+    """The launch log's line on fusion for this model: the adapter that will serve it, or why
+    none will and which families have one."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    try:
+        model_class, _ = ModelRegistry.resolve_model_cls(hf_config.architectures)
+    except Exception as err:  # SGLang resolves it again to load the model; it reports this
+        logger.debug("hicache_ext fusion: model class not resolved here: %s", err)
+        return
+    try:
+        adapter = adapter_class(model_class)
+    except NoAdapterError as err:
+        logger.warning("hicache_ext fusion: %s; fused requests fall back (no_adapter)", err)
+        return
+    logger.info(
+        "hicache_ext fusion: %s through the %s (checked against the normal prefill on the "
+        "first fused batch)",
+        model_class.__name__,
+        adapter.__name__,
+    )
 
 
 def _mooncake_tier(settings: ExtensionSettings, ctx: TreeCacheBuildContext) -> ChunkRemoteTier:

@@ -185,12 +185,13 @@ def test_layout_told_to_attention_matches_the_positions(
     prefix = _hf_prefix(adapter, ids[:prefix_len]) if prefix_len else None
     told = []
 
-    def checked(q, k, v, q_pos, k_pos, scale, backend, *, causal, host_positions):
+    def checked(q, k, v, q_pos, k_pos, scale, backend, *, causal, host_positions, **layer):
         assert torch.equal(host_positions, q_pos.cpu()) and torch.equal(k_pos, torch.arange(len(k)))
         assert bool(torch.all(q_pos[1:] > q_pos[:-1]))
         last_rows = torch.equal(q_pos, torch.arange(len(k) - len(q), len(k)))
         assert causal == last_rows
         told.append(causal)
+        assert layer == {"window": None, "logit_cap": 0.0}  # Llama: every layer full, uncapped
         return attention.attend(q, k, v, q_pos, k_pos, scale, backend)
 
     monkeypatch.setattr(executor, "attend", checked)
