@@ -117,6 +117,18 @@ class SGLangDecoderAdapter(ModelAdapter):
         return logits
 
 
+class PerHeadQKNorm:
+    """For families that norm q and k per head after the projection, before RoPE (Qwen3,
+    Qwen3-MoE, Gemma 3): `attn.q_norm` / `attn.k_norm` over [n, H, D] rows. A stored chunk's
+    keys are then the normed, unrotated ones (the pool's keys rotated back): a reused key is
+    normed once, as SGLang's forward norms it."""
+
+    def normed_qk(
+        self, attn: Any, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return attn.q_norm(q), attn.k_norm(k)
+
+
 def _window(radix: RadixAttentionLike) -> int | None:
     # SGLang's size is the farthest distance a key may be (q - size <= k <= q): one less than
     # the window in transformers' terms, which the contract uses.

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.decoder import SGLangDecoderAdapter
-from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.qwen3 import per_head_norms
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.decoder import (
+    PerHeadQKNorm,
+    SGLangDecoderAdapter,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.registry import register
 
 
@@ -42,8 +44,5 @@ class Gemma2Adapter(_SandwichAdapter):
 
 
 @register("Gemma3ForCausalLM")
-class Gemma3Adapter(_SandwichAdapter):
-    def normed_qk(
-        self, attn: Any, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return per_head_norms(attn, q, k)
+class Gemma3Adapter(PerHeadQKNorm, _SandwichAdapter):
+    """Gemma 2's layout with per-head q/k norms; its embedding module scales by sqrt(hidden)."""

@@ -13,19 +13,13 @@ from typing import Any
 import torch
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.decoder import SGLangDecoderAdapter
-from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.qwen3 import per_head_norms
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.qwen3 import Qwen3Adapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.registry import register
 
 
 @register("Qwen3MoeForCausalLM")
-class Qwen3MoeAdapter(SGLangDecoderAdapter):
-    def normed_qk(
-        self, attn: Any, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return per_head_norms(attn, q, k)
-
-    def mlp(self, block: Any, x: torch.Tensor) -> torch.Tensor:
-        return block.mlp(x)
+class Qwen3MoeAdapter(Qwen3Adapter):
+    """Qwen3's attention; the layer's `mlp` is SGLang's sparse block, called as SGLang calls it."""
 
 
 @register("Qwen2MoeForCausalLM")
