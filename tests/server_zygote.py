@@ -194,6 +194,7 @@ def _fork_server(connection: Connection, args: Sequence[str], env: dict[str, str
         os.dup2(log_fd, 2)
         os.environ.clear()
         os.environ.update(env)
+        _replay_external_models(env)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _launch(list(args))
         code = 0
@@ -207,6 +208,19 @@ def _fork_server(connection: Connection, args: Sequence[str], env: dict[str, str
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _replay_external_models(env: dict[str, str]) -> None:
+    """SGLang registers `SGLANG_EXTERNAL_MODEL_PACKAGE`'s classes when its model registry is
+    imported, which the zygote did before this server's environment existed: what that import
+    does, done again (the package imported from the server's PYTHONPATH)."""
+    package = env.get("SGLANG_EXTERNAL_MODEL_PACKAGE")
+    if not package:
+        return
+    from sglang.srt.models.registry import ModelRegistry, import_model_classes
+
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ModelRegistry.models.update(import_model_classes(package, strict=True))
 
 
 def _launch(args: list[str]) -> None:

@@ -134,7 +134,7 @@ def stretched_llama(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFact
 
 
 def test_gate_switches_fusion_off_for_a_model_its_adapter_does_not_reproduce(
-    spawned_servers: None, stretched_llama: Path, tmp_path: Path
+    stretched_llama: Path, tmp_path: Path
 ) -> None:
     tests_dir = Path(__file__).resolve().parent
     env = {
