@@ -136,25 +136,25 @@ def _masked_attention(
     if query.shape[0] == 0:
         return query.new_empty((0, query.shape[1], value.shape[-1]))
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    group = query.shape[1] // key.shape[1]
+    q_all, k, v = _heads_first(query, key, value)  # [1, H, n, D]
+    group = q_all.shape[1] // k.shape[1]
+    if logit_cap:  # the capped scores are computed by hand: keys per query head, once
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     outs = []
     for start in range(0, query.shape[0], _MASKED_BLOCK):
         rows = slice(start, start + _MASKED_BLOCK)
         mask = visible_keys(query_positions[rows], key_positions, window)
-        q, k, v = _heads_first(query[rows], key, value)
+        q = q_all[:, :, rows]
         if not logit_cap:
             out = scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=group != 1
             )
-            outs.append(out.squeeze(0).transpose(0, 1))
-            continue
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / logit_cap) * logit_cap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
-        outs.append(torch.matmul(weights, v).squeeze(0).transpose(0, 1))
+        else:
+            scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / logit_cap)
+            scores = (scores * logit_cap).masked_fill(~mask, float("-inf"))
+            weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+            out = torch.matmul(weights, v)
+        outs.append(out.squeeze(0).transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -61,7 +61,7 @@ class HFCausalLMAdapter(ModelAdapter):
         )
         ropes = layer_rope_specs(config)
         windows = [_window(config, block.self_attn) for block in self._layers]
-        self.layers = layers_from(ropes, windows, float(_cap(config, "attn_logit_softcapping")))
+        self.layers = layers_from(ropes, windows, _cap(config, "attn_logit_softcapping"))
         self.rope_spec = ropes[0]
         self.attn_scale = float(self._layers[0].self_attn.scaling)
         self._final_cap = _cap(config, "final_logit_softcapping")
