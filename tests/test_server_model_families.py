@@ -13,6 +13,7 @@ import json
 import random
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,45 @@ def test_gate_switches_fusion_off_for_a_model_its_adapter_does_not_reproduce(
         )
     log = (tmp_path / "server.log").read_text()
     assert log.count("model check failed") == 1
+
+
+@pytest.fixture(scope="module")
+def gemma3_in_rounds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerConfig]:
+    """Gemma 3 (sliding windows, two RoPE bases) prefilling in rounds of 64 tokens."""
+    model = prepared_model(tiny_family_dir("gemma3"))
+    assert model is not None, "run `make models`"
+    workdir = tmp_path_factory.mktemp("gemma3_rounds")
+    yield from _serve(model, workdir, ("--chunked-prefill-size", "64"))
+
+
+def test_windowed_family_concurrent_and_split_by_chunked_prefill(
+    gemma3_in_rounds: ServerConfig,
+) -> None:
+    """Three prompts (the documents in three orders), each split into 4+ prefill rounds, fused
+    at r = 1 all at once: each is its own normal prefill, one by one."""
+    url = gemma3_in_rounds.url
+    docs = _documents(seed=2)
+    for doc in docs:
+        assert requests.post(url + "/chunks", json={"text": doc}, timeout=120).status_code == 200
+    prompts = [
+        "Docs: " + "\n\n".join(docs[i] for i in order) + "\n\nQuestion: which? Answer:"
+        for order in ((2, 0, 1), (1, 2, 0), (0, 1, 2))
+    ]
+    normal = []
+    for prompt in prompts:
+        flush_cache(url)
+        normal.append(_generate(url, prompt)["output_ids"])
+    flush_cache(url)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        fused = list(
+            pool.map(
+                lambda p: _generate(
+                    url, p, fusion=True, fusion_selector="full", fusion_recompute_ratio=1.0
+                ),
+                prompts,
+            )
+        )
+    for out, expected in zip(fused, normal, strict=True):
+        info = out["meta_info"]["hicache_ext_fusion"][-1]  # the request's last round
+        assert info["fused"] is True and info["prefill_rounds"] >= 4
+        assert out["output_ids"] == expected
