@@ -8,7 +8,9 @@ prompt (three documents in another order than computed, longer than the sliding 
 - through a real CPU server with the extension (SGLang's own modules, its adapter from the
   registry), where SGLang's CPU engine serves the family: the live model check's relative
   logit error, the r = 1 answer's greedy tokens and the largest output-logprob difference
-  against the normal prefill, and the r = 0.15 request fused with no fallback.
+  against the normal prefill, and the r = 0.15 request fused with no fallback; the same again
+  with `--tp-size 2` (two CPU ranks, one KV head each), where the ranks also compared the
+  rows they recomputed at r = 0.15 (`tp_ranks_agree`).
 
     python -m benchmarks.model_families [--no-server]
 -> benchmarks/results/model_families.json; prints the table docs/fusion-sglang.md quotes
@@ -98,11 +100,18 @@ def _generate(url: str, prompt: str, **custom: object) -> dict[str, Any]:
     return response.json()
 
 
-def through_server(family: str, workdir: Path) -> dict[str, Any]:
+def through_server(family: str, workdir: Path, tp: int = 1) -> dict[str, Any]:
     model = prepared_model(tiny_family_dir(family))
     if model is None:
         sys.exit("run `make models` first")
-    config = ServerConfig(model_path=str(model), port=free_port(), max_total_tokens=4096)
+    config = ServerConfig(
+        model_path=str(model),
+        port=free_port(),
+        max_total_tokens=4096,
+        extra_args=("--tp-size", str(tp)),
+        # One NUMA node here: SGLang needs each rank's cores spelled out.
+        env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {},
+    )
     rng = random.Random(0)
     words = [
         "alpha",
@@ -120,7 +129,7 @@ def through_server(family: str, workdir: Path) -> dict[str, Any]:
     ]
     docs = [" ".join(rng.choice(words) for _ in range(n)) + "." for n in (30, 26, 22)]
     prompt = "Docs: " + "\n\n".join(docs[i] for i in ORDER) + "\n\nQuestion: which? Answer:"
-    with running_server(config, workdir / f"{family}.log"):
+    with running_server(config, workdir / f"{family}-tp{tp}.log"):
         url = config.url
         for doc in docs:
             requests.post(url + "/chunks", json={"text": doc}, timeout=120).raise_for_status()
@@ -150,30 +159,36 @@ def through_server(family: str, workdir: Path) -> dict[str, Any]:
         "fused_r015": bool(info.get("fused")) and "fallback" not in info,
         "chunk_tokens_reused_r015": info.get("tokens_reused"),
         "chunk_tokens": info.get("chunk_tokens"),
+        "tp_ranks_agree_r015": info.get("tp_ranks_agree"),
     }
+
+
+def _server_cell(server: dict[str, Any]) -> str:
+    error = server["model_check"]["max_relative_logit_error"]
+    same = "same tokens" if server["greedy_equal_r1"] else "tokens differ"
+    return (
+        f"{server['model_check']['state']}, error {error:.1e}, {same}, "
+        f"logprobs within {server['max_output_logprob_diff_r1']:.1e}"
+    )
 
 
 def families_table(result: dict[str, Any]) -> str:
     """The "Supported models" table of docs/fusion-sglang.md, rendered from the result file."""
     lines = [
-        "| family | SGLang class | what differs | model check, server (r = 1) | r = 1 vs transformers "
-        "| RoPE recovery | r = 0.15 reused |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| family | SGLang class | what differs | model check, server (r = 1) "
+        "| the same at --tp-size 2 | r = 1 vs transformers | RoPE recovery | r = 0.15 reused |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for family, row in result["families"].items():
         local, server = row["in_process"], row.get("server", {})
         if "not_served_on_cpu" in server:
-            check = "not served by SGLang's CPU engine"
+            check = tp2 = "not served by SGLang's CPU engine"
         else:
-            error = server["model_check"]["max_relative_logit_error"]
-            same = "same tokens" if server["greedy_equal_r1"] else "tokens differ"
-            check = (
-                f"{server['model_check']['state']}, error {error:.1e}, {same}, "
-                f"logprobs within {server['max_output_logprob_diff_r1']:.1e}"
-            )
+            check = _server_cell(server)
+            tp2 = _server_cell(row["server_tp2"]) if "server_tp2" in row else "not run"
         greedy = "same tokens" if local["greedy_equal_r1"] else "tokens differ"
         lines.append(
-            f"| {family} | `{row['architecture']}` | {row['features']} | {check} | "
+            f"| {family} | `{row['architecture']}` | {row['features']} | {check} | {tp2} | "
             f"{local['max_abs_logit_diff_r1']:.1e}, {greedy} | "
             f"{local['rope_recovery_rel_error']:.1e} | "
             f"{local['chunk_tokens_reused_r015']} of {local['chunk_tokens']} |"
@@ -197,6 +212,7 @@ def main() -> None:
             row["server"] = {"not_served_on_cpu": NOT_SERVED_ON_CPU[family]}
         elif not args.no_server:
             row["server"] = through_server(family, args.workdir)
+            row["server_tp2"] = through_server(family, args.workdir, tp=2)
         rows[family] = row
         print(family, json.dumps(row), flush=True)
     result = {

@@ -106,6 +106,13 @@ class ModelAdapter(ABC):
         """Final norm and LM head (and final softcap where the family has one): float32
         logits [n, vocab]."""
 
+    def combine_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """A selector's scores [N_chunk] from the heads this process holds -> the scores of
+        every head. Identity for a model in one process; a tensor-parallel adapter sums the
+        ranks' scores, so every rank ranks the same totals and recomputes the same tokens.
+        Called once per selection, in the same order on every rank."""
+        return scores
+
     def rope_specs(self) -> tuple[RopeSpec, ...]:
         """Each layer's rotation: what a stored chunk's keys are rotated back with."""
         return tuple(layer.rope for layer in self.layers)

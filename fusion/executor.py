@@ -243,7 +243,9 @@ def _attend_request(
         check = CheckLayerState(
             layer, queries, layer_k, layer_v, reused.keys, reused.values, adapter.attn_scale
         )
-        state.selected = state.selector.select(SelectionContext(layout, check))
+        state.selected = state.selector.select(
+            SelectionContext(layout, check, combine=adapter.combine_scores)
+        )
     elif layer == state.narrow_layer:
         layer_k, layer_v = _after(prefix_k, k), _after(prefix_v, v)  # every token still fresh
     if layer == state.narrow_layer:

@@ -99,6 +99,7 @@ class RequestState:
         self, adapter: ModelAdapter, job: FusionJob, loader: LayerLoader | None = None
     ) -> None:
         self.job = job
+        self._combine_scores = adapter.combine_scores
         self.selector = job.selector
         self.prefix_len = 0 if job.exact_prefix is None else job.exact_prefix.num_tokens
         self.layout: RequestLayout = build_layout(after_exact_prefix(job.segments, self.prefix_len))
@@ -140,7 +141,9 @@ class RequestState:
         self.kv_out: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.kv_in: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.check_layer is None and not self.scoring_layers:
-            self.selected = self.selector.select(SelectionContext(self.layout))
+            self.selected = self.selector.select(
+                SelectionContext(self.layout, combine=adapter.combine_scores)
+            )
         if self.narrow_layer is None:
             self._set_active(_with_selected(always, self.selected))
         else:
@@ -151,7 +154,11 @@ class RequestState:
 
     def apply_scores(self, question_attention: torch.Tensor) -> None:
         """Select from a scoring pass's question attention [N_chunk] (before layer 0)."""
-        ctx = SelectionContext(self.layout, question_attention=question_attention.cpu())
+        ctx = SelectionContext(
+            self.layout,
+            question_attention=question_attention.cpu(),
+            combine=self._combine_scores,
+        )
         self.selected = self.selector.select(ctx)
         if self.narrow_layer is None:
             self._set_active(_with_selected(self.always, self.selected))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -48,6 +49,8 @@ class SelectionContext:
     layout: RequestLayout
     state: CheckLayerState | None = None
     question_attention: torch.Tensor | None = None
+    # Scores of this process's heads -> those of every head (`ModelAdapter.combine_scores`).
+    combine: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class Selector(ABC):
@@ -102,7 +105,10 @@ class Selector(ABC):
             return chunk_positions[:0]
         if budget == layout.num_chunk_tokens:
             return chunk_positions
-        scores = self.score(ctx).float().cpu()
+        scores = self.score(ctx).float()
+        if ctx.combine is not None:
+            scores = ctx.combine(scores)
+        scores = scores.cpu()
         if scores.shape != chunk_positions.shape:
             raise ValueError(f"{self.name}: scores shape {tuple(scores.shape)} != chunk tokens")
         if self.sink_tokens:

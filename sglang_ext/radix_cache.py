@@ -22,6 +22,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.registry import (
     NoAdapterError,
     adapter_class,
 )
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import ContextVariants
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
@@ -185,19 +186,20 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     ctx.params.tree_core_backend = settings.tree_core
     cache = create_unified_radix_cache(ctx, cache_class=cache_class())
     cache.settings = settings
-    cache.chunks, cache.chunks_unavailable = _chunk_registry(ctx, settings)
+    tp = TensorParallel.of_scheduler()
+    cache.chunks, cache.chunks_unavailable = _chunk_registry(ctx, settings, tp)
     if cache.chunks is not None:
         _log_fusion_adapter(ctx.model_config.hf_config)
     if cache.chunks is not None and settings.auto_chunks:
         # The preflight refuses auto_chunks with --skip-tokenizer-init: the scheduler has one.
         cache.auto_capture = AutoCapture.for_settings(
-            settings, cache.chunks, break_token_ids(ctx.tp_worker.tokenizer)
+            settings, cache.chunks, break_token_ids(ctx.tp_worker.tokenizer), tp
         )
     if cache.chunks is not None and settings.fusion_shadow_refresh:
         cache.chunks.context_variants = ContextVariants(settings.fusion_context_variant_bytes)
     cache.disk_tier = _install_disk_tier(cache)
     model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
-    fused_prefill.install_runtime(cache.chunks, settings, model_name, cache.auto_capture)
+    fused_prefill.install_runtime(cache.chunks, settings, model_name, cache.auto_capture, tp)
     logger.info(
         "hicache_ext radix cache ready: tree_core=%s hierarchical_cache=%s",
         settings.tree_core,
@@ -213,11 +215,14 @@ def _install_disk_tier(cache: Any) -> Any:
 
 
 def _chunk_registry(
-    ctx: TreeCacheBuildContext, settings: ExtensionSettings
+    ctx: TreeCacheBuildContext, settings: ExtensionSettings, tp: TensorParallel
 ) -> tuple[ChunkRegistry | None, str]:
-    """A chunk registry, or None with the reason chunk reuse cannot work for this server."""
-    if ctx.tp_size != 1:
-        return None, "chunk registration supports --tp-size 1 only (the store is per rank)"
+    """A chunk registry, or None with the reason chunk reuse cannot work for this server.
+
+    Under `--tp-size N` each rank keeps its own shard of every chunk (its KV heads): the disk
+    tier in a folder of its own, the shared tier under a namespace naming the rank."""
+    if reason := _unsupported_parallelism(ctx.server_args):
+        return None, reason
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
         return None, "chunk registration needs a full-attention model (no SWA / Mamba layers)"
     try:
@@ -228,7 +233,7 @@ def _chunk_registry(
     if "disk" in settings.chunk_tier_names:
         assert settings.chunk_disk_dir is not None  # the settings check both or neither
         disk = ChunkDiskTier(
-            chunk_disk_directory(settings.chunk_disk_dir, ctx.model_config, ctx.server_args),
+            chunk_disk_directory(settings.chunk_disk_dir, ctx.model_config, ctx.server_args, tp),
             settings.chunk_disk_bytes,
             read_bytes_per_s=settings.chunk_disk_read_bytes_per_s or None,
         )
@@ -240,7 +245,7 @@ def _chunk_registry(
         )
     remote = None
     if "mooncake" in settings.chunk_tier_names:
-        remote = _mooncake_tier(settings, ctx)
+        remote = _mooncake_tier(settings, ctx, tp)
     registry = ChunkRegistry(
         settings.chunk_store_bytes,
         rope,
@@ -248,8 +253,26 @@ def _chunk_registry(
         remote=remote,
         promote_on_read=settings.chunk_promote_on_read,
         disk_read_bytes_per_s=settings.chunk_disk_read_bytes_per_s or None,
+        # A row that fails its checksum mid-prefill on one rank would leave the other ranks
+        # waiting in the layer's collective: under TP, disk chunks are read whole and checked
+        # while planning, where the ranks compare what they found (`rank_agreement`).
+        stream_from_disk=tp.size == 1,
     )
     return registry, ""
+
+
+def _unsupported_parallelism(server_args: Any) -> str:
+    """Why the server's parallelism cannot run the fused prefill ("" when it can): fusion runs
+    every layer in each process over its tensor-parallel shard of the heads."""
+    refused = {
+        "--pp-size > 1 (each rank holds only some layers)": getattr(server_args, "pp_size", 1) > 1,
+        "--enable-dp-attention (attention heads are not split across the tensor-parallel "
+        "group)": bool(getattr(server_args, "enable_dp_attention", False)),
+        "--ep-size > 1 (experts are dispatched, not summed)": getattr(server_args, "ep_size", 1)
+        > 1,
+    }
+    named = [what for what, on in refused.items() if on]
+    return f"chunk fusion does not support {named[0]}" if named else ""
 
 
 def _log_fusion_adapter(hf_config: Any) -> None:
@@ -275,7 +298,9 @@ def _log_fusion_adapter(hf_config: Any) -> None:
     )
 
 
-def _mooncake_tier(settings: ExtensionSettings, ctx: TreeCacheBuildContext) -> ChunkRemoteTier:
+def _mooncake_tier(
+    settings: ExtensionSettings, ctx: TreeCacheBuildContext, tp: TensorParallel
+) -> ChunkRemoteTier:
     """The shared chunk tier (its master was found listening by the launch checks)."""
     assert settings.chunk_mooncake_master is not None  # the settings check both or neither
     config = MooncakeConfig(
@@ -287,11 +312,21 @@ def _mooncake_tier(settings: ExtensionSettings, ctx: TreeCacheBuildContext) -> C
     # Keys name the model by its folder's name, not its path: servers on other machines
     # share chunks of the same model (and the identity hash keeps other models' KV apart).
     model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
-    namespace = chunk_namespace(model_name, _kv_identity(ctx.model_config, ctx.server_args))
+    namespace = _rank_scoped(
+        chunk_namespace(model_name, _kv_identity(ctx.model_config, ctx.server_args)), tp
+    )
     logger.info("hicache_ext chunk tier mooncake: master %s", config.master)
     # The catalogue names each chunk's writer by the address clients reach it at.
     args = ctx.server_args
     writer = f"{args.host}:{args.port}" if settings.chunk_mooncake_catalog else None
+    if writer is not None and tp.size > 1:
+        # Each rank would index another server's announcements when its own catalogue shows
+        # them, at a time of its own: admission would differ between the ranks. Registering the
+        # same text still finds the chunk in the store (by its key, on every rank).
+        logger.warning(
+            "hicache_ext chunk tier mooncake: the catalogue is off under --tp-size %d", tp.size
+        )
+        writer = None
     return ChunkRemoteTier(MooncakeClient(config), namespace, writer=writer)
 
 
@@ -307,13 +342,22 @@ def _kv_identity(model_config: Any, server_args: Any) -> str:
     )
 
 
-def chunk_disk_directory(chunk_disk_dir: str, model_config: Any, server_args: Any) -> Path:
-    """`chunk_disk_dir/chunks/<model>-<hash of what shapes its KV>`."""
+def chunk_disk_directory(
+    chunk_disk_dir: str, model_config: Any, server_args: Any, tp: TensorParallel | None = None
+) -> Path:
+    """`chunk_disk_dir/chunks/<model>-<hash of what shapes its KV>`, and `-tp<r>of<n>` after
+    it for rank r of `--tp-size n` (one rank's shard of the heads)."""
     model_path = str(model_config.model_path)
     if Path(model_path).expanduser().exists():  # a folder, not a hub id: the same from any cwd
         model_path = str(Path(model_path).expanduser().absolute())
     identity = _kv_identity(model_config, server_args)
-    return Path(chunk_disk_dir).expanduser() / "chunks" / chunk_namespace(model_path, identity)
+    folder = _rank_scoped(chunk_namespace(model_path, identity), tp or TensorParallel())
+    return Path(chunk_disk_dir).expanduser() / "chunks" / folder
+
+
+def _rank_scoped(name: str, tp: TensorParallel) -> str:
+    # At one rank the name stays what it was before tensor parallelism: nothing stored moves.
+    return f"{name}-{tp.label()}" if tp.size > 1 else name
 
 
 def add_status_to_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:

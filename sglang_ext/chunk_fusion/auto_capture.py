@@ -46,6 +46,7 @@ from sglang_hicache_ext.fusion.frequency import stacked_frequency_scores
 from sglang_hicache_ext.fusion.rope import LayerRopes, unrotate_layers
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
 from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import gather_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 _COVERED = 0.9
 _SEEN_REQUESTS = 4096  # the tree checkpoints a request more than once at its full length
 _WINDOW_S = 60.0
-OUTCOMES = ("captured", "covered", "over_cap", "not_computed", "failed")
+OUTCOMES = ("captured", "covered", "over_cap", "not_computed", "failed", "ranks_disagree")
 _T = TypeVar("_T")
 
 
@@ -155,8 +156,12 @@ class AutoCapture:
         codec: str | None = None,
         clock: Any = time.monotonic,
         background: bool = True,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.registry = registry
+        # Under --tp-size N each rank keeps its shard of the same pieces: the ranks' choices
+        # (their clocks for the cap) are compared before anything is kept.
+        self._tp = tp or TensorParallel()
         self.breaks = breaks
         self.rule = rule
         self.per_minute = per_minute
@@ -179,7 +184,11 @@ class AutoCapture:
 
     @classmethod
     def for_settings(
-        cls, settings: ExtensionSettings, registry: ChunkRegistry, breaks: frozenset[int]
+        cls,
+        settings: ExtensionSettings,
+        registry: ChunkRegistry,
+        breaks: frozenset[int],
+        tp: TensorParallel | None = None,
     ) -> AutoCapture:
         rule = SegmentRule(
             settings.auto_chunk_min_tokens,
@@ -192,7 +201,18 @@ class AutoCapture:
             rule.max_tokens,
             settings.auto_chunks_per_minute,
         )
-        return cls(registry, breaks, rule, settings.auto_chunks_per_minute, settings.chunk_codec)
+        tp = tp or TensorParallel()
+        return cls(
+            registry,
+            breaks,
+            rule,
+            settings.auto_chunks_per_minute,
+            settings.chunk_codec,
+            # Under TP the pieces are prepared on the scheduler thread: a background job would
+            # store them (and change what admission matches) at a time of each rank's own.
+            background=tp.size == 1,
+            tp=tp,
+        )
 
     def capture(
         self,
@@ -240,6 +260,10 @@ class AutoCapture:
             else:
                 todo.append((start, end, chunk_id))
                 todo_ids.add(chunk_id)
+        if not self._tp.agree(",".join(sorted(todo_ids))):
+            for start, end, _ in todo:  # a rank kept otherwise: none keeps anything of it
+                self._count("ranks_disagree", end - start)
+            todo = []
         if todo:
             self._submit(tokens, todo, kv_pool, slots)
         self.seconds += time.perf_counter() - began

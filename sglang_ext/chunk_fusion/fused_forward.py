@@ -24,6 +24,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.decoder import SGLangDe
 from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import keep_for_decode
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows, RoundRows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime, RequestPlan
+from sglang_hicache_ext.sglang_ext.chunk_fusion.rank_agreement import check_selections
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
@@ -44,8 +45,9 @@ def run_fused_batch(
     began = time.perf_counter()
     jobs = [_job(adapter, runner, forward_batch, index, plan) for index, plan in firsts]
     results = fused_prefill_batch(adapter, jobs)
+    check_selections(adapter.tp, [result.selected for result in results])
     _synchronize(adapter.device)
-    prefill_s = time.perf_counter() - began
+    prefill_s = adapter.tp.slowest(time.perf_counter() - began)
     _profile(rt, results, prefill_s)
     for (index, plan), result in zip(firsts, results, strict=True):
         plan.continuation = _rows_of(adapter, plan, result)
@@ -196,6 +198,9 @@ def _rows_of(adapter: SGLangDecoderAdapter, plan: RequestPlan, result: FusionRes
         "tokens_reused": reused,
         "tokens_recomputed": result.num_tokens - prefix_len - reused,
     }
+    if adapter.tp.size > 1:
+        # Every rank recomputed these same positions (`check_selections` compared them).
+        info["tp_ranks_agree"] = adapter.tp.size
     if plan.ratio_source == "target":
         info["target_agreement"] = plan.target_agreement
         info["ratio_start"] = plan.ratio_start
@@ -295,7 +300,7 @@ def _profile_load(rt: FusionRuntime, plan: RequestPlan, num_layers: int) -> None
         return
     ((tier, tokens),) = lower.items()
     read = round(tokens * (1 - plan.recompute_ratio)) * num_layers
-    rt.self_tuned.record_load(tier, load["read_s"], read)
+    rt.self_tuned.record_load(tier, rt.tp.slowest(load["read_s"]), read)
 
 
 def _synchronize(device: torch.device) -> None:

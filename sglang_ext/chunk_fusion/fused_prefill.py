@@ -30,6 +30,7 @@ import functools
 import logging
 from typing import Any
 
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_forward import (
     model_check_prompts,
@@ -43,6 +44,13 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
     options_of,
     plan_batch,
     plan_mixed_batch,
+)
+from sglang_hicache_ext.sglang_ext.chunk_fusion.rank_agreement import (
+    FALLBACK as TP_RANKS_DISAGREE,
+)
+from sglang_hicache_ext.sglang_ext.chunk_fusion.rank_agreement import (
+    RanksDisagreeError,
+    plans_agree,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     REGISTER_PARAM,
@@ -75,9 +83,10 @@ def install_runtime(
     settings: ExtensionSettings,
     model_name: str = "",
     auto_capture: AutoCapture | None = None,
+    tp: TensorParallel | None = None,
 ) -> None:
     global _runtime
-    _runtime = FusionRuntime(registry, settings, model_name) if registry is not None else None
+    _runtime = FusionRuntime(registry, settings, model_name, tp) if registry is not None else None
     if _runtime is not None:
         _runtime.auto_capture = auto_capture
 
@@ -163,10 +172,13 @@ def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **
     if rt is None or not adder.can_run_list:
         return original(adder, req, *args, **kwargs)
     first = adder.can_run_list[0]
+    fuse_req, fuse_first = rt.will_fuse(req), rt.will_fuse(first)
+    # Under TP every rank must batch alike; a guess that differs (a chunk one rank lost to a
+    # fault) keeps the request for the next batch on every rank, where it leads.
+    agreed = rt.tp.agree(f"{req.rid}:{fuse_req},{first.rid}:{fuse_first}")
     # A shadow check runs alone: batched with a user's request it would delay it.
-    if (shadow_of(req) is None) != (shadow_of(first) is None) or (
-        rt.will_fuse(req) != rt.will_fuse(first)
-    ):
+    same_kind = (shadow_of(req) is None) == (shadow_of(first) is None) and fuse_req == fuse_first
+    if not (same_kind and agreed):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.CONTINUE
@@ -206,6 +218,10 @@ def forward_with_fusion(
             _report(output.logits_output, [plan.info() if plan.asked else None for plan in mixed])
         return output
     plans = plan_batch(rt, forward_batch)
+    if plans is not None and not plans_agree(rt.tp, plans):
+        disagreeing = [plan for plan in plans if plan.fused]
+        fall_back(rt, disagreeing, TP_RANKS_DISAGREE)
+        count_fallbacks(rt, disagreeing)
     if plans is None:  # nobody in the batch asked for fusion
         output = original(runner, forward_batch, *args, **kwargs)
         # A shadow check's rows, exact and in their prompt's context (fusion_shadow_refresh).
@@ -232,6 +248,9 @@ def forward_with_fusion(
                     # the tier dropped the chunk, the batch is computed normally.
                     logger.error("fusion: %s; normal prefill", err)
                     fall_back(rt, plans, "chunk_unreadable")
+                except RanksDisagreeError as err:  # nothing written either
+                    logger.error("fusion: %s; normal prefill", err)
+                    fall_back(rt, plans, TP_RANKS_DISAGREE)
             count_fallbacks(rt, plans)  # plan_batch counted none: every plan was fused then
             if checked is not None:  # the normal prefill already ran: it is the answer
                 _report(checked.logits_output, [plan.info() for plan in plans])

@@ -29,6 +29,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters import (
     supported_architectures,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.decoder import SGLangDecoderAdapter
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,13 @@ def _attention_applies_logit_cap(runner: Any) -> bool:
 class ModelCheck:
     """Per scheduler process: the adapter of the served model and its gate."""
 
-    def __init__(self, build: Callable[..., SGLangDecoderAdapter] = adapter_for) -> None:
+    def __init__(
+        self,
+        build: Callable[..., SGLangDecoderAdapter] = adapter_for,
+        tp: TensorParallel | None = None,
+    ) -> None:
         self._build = build
+        self._tp = tp or TensorParallel()
         self._adapter: SGLangDecoderAdapter | None = None
         self.state: CheckState = "unchecked"
         self.reason: str | None = None  # why fusion is off for this model
@@ -68,6 +74,7 @@ class ModelCheck:
                     model,
                     runner.model_config.hf_config,
                     applies_logit_cap=_attention_applies_logit_cap(runner),
+                    tp=self._tp,
                 )
             except (NoAdapterError, ValueError) as err:
                 self.state, self.reason = "no_adapter", str(err)
@@ -104,7 +111,8 @@ class ModelCheck:
             FusionJob(segments, FullSelector(), exact_prefix=prefix, outputs_from=position)
             for segments, prefix, position in prompts
         ]
-        errors = []
+        errors: list[float] = []
+        raised: str | None = None
         try:
             results = fused_prefill_batch(adapter, jobs)
             for result, normal in zip(results, normal_logits, strict=True):
@@ -116,11 +124,19 @@ class ModelCheck:
                 scale = max(1.0, float(normal.abs().max()))
                 errors.append(float((fused - normal).abs().max()) / scale)
         except Exception as err:  # an adapter that cannot even run this model: off, not down
-            return self._fail(f"the fused prefill raised {type(err).__name__}: {err}")
+            raised = f"the fused prefill raised {type(err).__name__}: {err}"
+        tolerance = TOLERANCE.get(adapter.dtype, 5e-2)
+        passed = raised is None and max(errors) <= tolerance
+        # Every rank compares the same gathered logits; should one rank still judge otherwise
+        # (or raise after the prefill's last collective), fusion goes off on all of them: ranks
+        # that fused alone would wait on each other.
+        if not adapter.tp.agree(f"model check passed: {passed}"):
+            return self._fail(raised or "the tensor-parallel ranks judged the check differently")
+        if raised is not None:
+            return self._fail(raised)
         self.max_error = max(errors)
         self.prompts_checked = len(errors)
-        tolerance = TOLERANCE.get(adapter.dtype, 5e-2)
-        if self.max_error <= tolerance:
+        if passed:
             self.state = "passed"
             logger.info(
                 "fusion: model check passed (%d prompt(s), largest relative logit error %.2e "

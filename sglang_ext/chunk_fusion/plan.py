@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
     WholeFetches,
@@ -47,9 +48,14 @@ class FusionRuntime:
     """Per scheduler process: the chunk registry, the live requests and the counters."""
 
     def __init__(
-        self, registry: ChunkRegistry, settings: ExtensionSettings, model_name: str = ""
+        self,
+        registry: ChunkRegistry,
+        settings: ExtensionSettings,
+        model_name: str = "",
+        tp: TensorParallel | None = None,
     ) -> None:
         self.registry = registry
+        self.tp = tp or TensorParallel()  # this scheduler's rank (`--tp-size`)
         self.settings = settings
         self.requests: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         # Fused requests split across chunked-prefill rounds: the rows of their later rounds
@@ -65,7 +71,7 @@ class FusionRuntime:
         )
         self.counters: Counter[str] = Counter()
         # The served model's adapter and the gate that proves it exact before fusing.
-        self.model = ModelCheck()
+        self.model = ModelCheck(tp=self.tp)
         self._ratio_table: RatioTable | None = None
         # "auto" without a ratio table: ratios from this server's own prefills and loads.
         self.self_tuned = SelfTunedRatios.for_model(

@@ -57,6 +57,7 @@ class ChunkRemoteStats:
     bytes_written: int
     read_s: float  # time spent fetching and verifying
     catalog: CatalogStats | None = None  # None: this server neither announces nor reads
+    namespace: str = ""  # where this process's chunks live (a rank's own under --tp-size N)
 
 
 class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
@@ -71,6 +72,7 @@ class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
         poll_s: float = 0.1,
     ) -> None:
         self.store = store
+        self.namespace = namespace
         self.prefix = f"hicache_ext/{namespace}/"
         # With a writer name, writes are announced to the other servers and theirs are read.
         self.catalog = None if writer is None else ChunkCatalog(store, self.prefix, writer)
@@ -106,7 +108,12 @@ class ChunkRemoteTier(ChunkTier[ChunkRemoteStats]):
             counts = {name: self._counts[name] for name in _COUNTERS}
         catalog = None if self.catalog is None else self.catalog.stats()
         return ChunkRemoteStats(
-            len(self._headers), size, read_s=self._read_s, catalog=catalog, **counts
+            len(self._headers),
+            size,
+            read_s=self._read_s,
+            catalog=catalog,
+            namespace=self.namespace,
+            **counts,
         )
 
     # -- writes ----------------------------------------------------------------------------

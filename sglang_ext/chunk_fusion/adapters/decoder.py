@@ -3,7 +3,9 @@
 The family files override only what their family differs in (per-head q/k norms, the MoE
 block, Gemma's sandwich norms and embedding scale, the LM head module). The executor learns each
 layer's RoPE, sliding window and score softcap from `layers`, read from SGLang's own
-`RadixAttention` modules, so the fused prefill attends as SGLang's backend does.
+`RadixAttention` modules, so the fused prefill attends as SGLang's backend does. Under
+`--tp-size N` each rank's adapter drives its shard of the heads and adds the collectives
+SGLang's stage boundaries would (`tensor_parallel.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from sglang_hicache_ext.fusion.adapter import AttentionInputs, ModelAdapter, layers_from
 from sglang_hicache_ext.fusion.chunk import ModelShape
 from sglang_hicache_ext.fusion.rope import layer_rope_specs
+from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +31,23 @@ class RadixAttentionLike(Protocol):
 
 
 class SGLangDecoderAdapter(ModelAdapter):
-    """SGLang's pre-norm decoder (Llama's layout) split at the attention op, at TP = 1.
+    """SGLang's pre-norm decoder (Llama's layout) split at the attention op, on this rank's
+    shard of the heads (`shape` counts this rank's heads).
 
     `applies_logit_cap`: whether the server's attention backend applies RadixAttention's
     `logit_cap` (SGLang's torch_native backend, the CPU's without AMX, ignores it): the fused
     prefill caps scores exactly when the normal prefill does."""
 
-    def __init__(self, model: Any, hf_config: Any, *, applies_logit_cap: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        hf_config: Any,
+        *,
+        applies_logit_cap: bool = True,
+        tp: TensorParallel | None = None,
+    ) -> None:
         self._model = model
+        self.tp = tp or TensorParallel()
         self._layers = model.model.layers
         attn = self._layers[0].self_attn
         self.shape = ModelShape(
@@ -95,23 +107,38 @@ class SGLangDecoderAdapter(ModelAdapter):
         self, layer: int, hidden: torch.Tensor, attn: torch.Tensor
     ) -> torch.Tensor:
         block = self._layers[layer]
-        out, _ = block.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
-        hidden = hidden + out
+        o_proj = block.self_attn.o_proj
+        out, _ = o_proj(attn.reshape(attn.shape[0], -1))
+        hidden = hidden + self.reduced(out, o_proj)
         return hidden + self.mlp(block, block.post_attention_layernorm(hidden))
 
+    def reduced(self, out: torch.Tensor, module: Any) -> torch.Tensor:
+        """`out` of `module` summed over the ranks unless the module summed it itself."""
+        return out if self.tp.reduces(module) else self.tp.all_reduce(out)
+
     def mlp(self, block: Any, x: torch.Tensor) -> torch.Tensor:
-        """The layer's feed-forward on normed rows."""
-        return block.mlp(x)
+        """The layer's feed-forward on normed rows, summed over the ranks: a dense MLP ends in
+        its `down_proj`, SGLang's sparse blocks (Qwen3-MoE) in their `experts`."""
+        mlp = block.mlp
+        return self.reduced(mlp(x), mlp.experts if hasattr(mlp, "experts") else mlp.down_proj)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final norm: what its forward hands the logits processor."""
         return self._model.model.norm(hidden)
 
+    def combine_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """The ranks' scores summed (selectors may score on the host; the sum runs on the
+        model's device, as SGLang's collectives do)."""
+        return self.tp.all_reduce(scores.to(self.device))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # As SGLang's LogitsProcessor: the head's rows padded past the vocabulary are dropped,
-        # then the final softcap.
-        weight = self.lm_head.weight
-        logits = (self.final_norm(hidden) @ weight.t()).float()[:, : self.vocab_size]
+        # As SGLang's LogitsProcessor: the ranks' vocabulary shards side by side, the head's
+        # rows padded past the vocabulary dropped, then the final softcap.
+        head = self.lm_head
+        logits = self.final_norm(hidden) @ head.weight.t()
+        if getattr(head, "tp_size", 1) > 1:
+            logits = self.tp.gather_columns(logits)
+        logits = logits.float()[:, : self.vocab_size]
         if self._final_cap:
             logits = torch.tanh(logits / self._final_cap) * self._final_cap
         return logits

@@ -29,9 +29,11 @@ class _SandwichAdapter(SGLangDecoderAdapter):
         self, layer: int, hidden: torch.Tensor, attn: torch.Tensor
     ) -> torch.Tensor:
         block = self._layers[layer]
-        out, _ = block.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
-        hidden = hidden + block.post_attention_layernorm(out)
-        mlp = block.mlp(block.pre_feedforward_layernorm(hidden))
+        o_proj = block.self_attn.o_proj
+        out, _ = o_proj(attn.reshape(attn.shape[0], -1))
+        # The norms act on the whole sum: the ranks' parts are summed first.
+        hidden = hidden + block.post_attention_layernorm(self.reduced(out, o_proj))
+        mlp = self.mlp(block, block.pre_feedforward_layernorm(hidden))
         return hidden + block.post_feedforward_layernorm(mlp)
 
 

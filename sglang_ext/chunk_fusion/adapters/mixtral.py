@@ -16,4 +16,5 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.registry import registe
 @register("MixtralForCausalLM")
 class MixtralAdapter(SGLangDecoderAdapter):
     def mlp(self, block: Any, x: torch.Tensor) -> torch.Tensor:
-        return block.block_sparse_moe(x)
+        moe = block.block_sparse_moe
+        return self.reduced(moe(x), moe.experts)

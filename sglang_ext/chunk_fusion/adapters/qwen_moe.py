@@ -27,12 +27,13 @@ class Qwen2MoeAdapter(SGLangDecoderAdapter):
     def mlp(self, block: Any, x: torch.Tensor) -> torch.Tensor:
         moe = block.mlp
         if not hasattr(moe, "experts"):  # a dense layer (mlp_only_layers)
-            return moe(x)
+            return super().mlp(block, x)
         router_logits = _first(moe.gate(x))
-        out = moe.experts(x, moe.topk(x, router_logits))
+        out = self.reduced(moe.experts(x, moe.topk(x, router_logits)), moe.experts)
         if getattr(moe, "shared_expert", None) is not None:
-            shared = moe.shared_expert(x)
+            shared = self.reduced(moe.shared_expert(x), moe.shared_expert.down_proj)
             if getattr(moe, "shared_expert_gate", None) is not None:
+                # The gate is replicated: each rank's sigmoid is the same.
                 shared = torch.sigmoid(_first(moe.shared_expert_gate(x))) * shared
             out = out + shared
         return out
