@@ -30,6 +30,7 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
 )
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
+from tests.test_server_model_families import _generate
 from tests.test_server_restart import DOCUMENTS, _chunks
 
 pytestmark = pytest.mark.server
@@ -54,17 +55,6 @@ def _config(model: Path, settings: Path, extra: dict[str, object]) -> ServerConf
         extra_args=("--tp-size", "2"),
         env={**TP2_ENV, CONFIG_ENV_VAR: str(settings)},
     )
-
-
-def _generate(url: str, prompt: str, **custom: object) -> dict:
-    body = {
-        "text": prompt,
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "custom_params": custom},
-        "return_logprob": True,
-    }
-    response = requests.post(url + "/generate", json=body, timeout=600)
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 def _exact(url: str, prompt: str) -> tuple[dict, dict]:
