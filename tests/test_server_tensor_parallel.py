@@ -1,9 +1,10 @@
 """Fusion under `--tp-size 2`: two CPU scheduler ranks, each with its shard of the heads.
 
 Server A (tiny Qwen2, 4 query / 2 KV heads: one KV head per rank) keeps chunks on disk and in a
-Mooncake master on loopback; server B, another TP = 2 process, shares the master and keeps
-`auto_chunks`. Fused at r = 1 A answers as its own TP = 2 normal prefill (tokens and logprobs),
-concurrent requests too; at r = 0.15 both ranks recompute the same rows (compared by the ranks
+Mooncake master on loopback, and prefills in rounds of 128 tokens; server B, another TP = 2
+process, shares the master and keeps `auto_chunks`. Fused at r = 1 A answers as its own TP = 2
+normal prefill (tokens and logprobs), concurrent requests too, and a client that hangs up leaves
+it serving; at r = 0.15 both ranks recompute the same rows (compared by the ranks
 before any KV is written: `tp_ranks_agree`). Each rank's shard is stored under a name of its
 own in the master, B reads both shards back and answers as A, B's `auto_chunks` keeps a prompt's
 documents and fuses them on its second sight, and A's chunks survive A's restart from its disk.
@@ -39,6 +40,8 @@ pytestmark = pytest.mark.server
 TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 QUESTION = "\nQuestion: which entry is oldest?\nAnswer:"
 ORDERS = [(2, 0, 1), (1, 2, 0), (0, 1, 2)]
+# Server A prefills in rounds of 128 tokens: a fused prompt spans several (computed in its first).
+ROUNDS = ("--chunked-prefill-size", "128")
 NOVEL = "Record ferries: " + " ".join(f"the ferry {i} left at {i % 12} o'clock." for i in range(12))
 
 
@@ -46,13 +49,13 @@ def _prompt(order: tuple[int, ...]) -> str:
     return "Documents:\n" + "\n".join(DOCUMENTS[i] for i in order) + QUESTION
 
 
-def _config(model: Path, settings: Path, extra: dict[str, object]) -> ServerConfig:
+def _config(model: Path, settings: Path, extra: dict[str, object], *flags: str) -> ServerConfig:
     settings.write_text(json.dumps(extra))
     return ServerConfig(
         model_path=str(model),
         port=free_port(),
         max_total_tokens=4096,
-        extra_args=("--tp-size", "2"),
+        extra_args=("--tp-size", "2", *flags),
         env={**TP2_ENV, CONFIG_ENV_VAR: str(settings)},
     )
 
@@ -73,8 +76,23 @@ def _assert_same_answer(fused: dict, normal: dict) -> None:
 
 
 def _info(response: dict) -> dict:
-    (info,) = response["meta_info"]["hicache_ext_fusion"]
-    return info
+    return response["meta_info"]["hicache_ext_fusion"][-1]  # the request's last prefill round
+
+
+def _hang_up(url: str, prompt: str) -> None:
+    """A streamed fused request whose client goes away after the first event."""
+    body = {
+        "text": prompt,
+        "stream": True,
+        "sampling_params": {
+            "max_new_tokens": 64,
+            "temperature": 0,
+            "custom_params": {"fusion": True, "fusion_recompute_ratio": 0.15},
+        },
+    }
+    with requests.post(url + "/generate", json=body, timeout=600, stream=True) as response:
+        assert response.status_code == 200, response.text
+        next(line for line in response.iter_lines() if line.startswith(b"data:"))
 
 
 def _register(url: str, text: str) -> dict:
@@ -91,6 +109,7 @@ def test_tensor_parallel_fusion(tiny_qwen2_path: Path, tmp_path: Path) -> None:
             tiny_qwen2_path,
             tmp_path / "a.json",
             {**mooncake, "chunk_mooncake_segment_bytes": 256 << 20, "chunk_disk_dir": str(disk)},
+            *ROUNDS,
         )
         config_b = _config(
             tiny_qwen2_path,
@@ -103,7 +122,7 @@ def test_tensor_parallel_fusion(tiny_qwen2_path: Path, tmp_path: Path) -> None:
             fused, normal = _exact(a.url, _prompt(ORDERS[0]))
             info = _info(fused)
             assert info["fused"] and info["chunks_hit"] == 3 and info["tokens_reused"] == 0, info
-            assert info["tp_ranks_agree"] == 2
+            assert info["tp_ranks_agree"] == 2 and info["prefill_rounds"] >= 3, info
             _assert_same_answer(fused, normal)
             fusion = requests.get(a.url + "/server_info", timeout=30).json()["internal_states"][0]
             check = fusion["hicache_ext"]["fusion"]["model_check"]
@@ -129,6 +148,11 @@ def test_tensor_parallel_fusion(tiny_qwen2_path: Path, tmp_path: Path) -> None:
                 assert _info(response)["fused"], _info(response)
                 flush_cache(a.url)
                 _assert_same_answer(response, _generate(a.url, prompt))
+
+            # A client that hangs up after the first token: both ranks drop the request alike.
+            flush_cache(a.url)
+            _hang_up(a.url, _prompt(ORDERS[2]))
+            assert requests.get(a.url + "/health", timeout=60).status_code == 200
 
             # r = 0.15: fused, and the ranks compared the rows they recomputed before writing.
             flush_cache(a.url)
