@@ -312,8 +312,8 @@ def _mooncake_tier(
     # Keys name the model by its folder's name, not its path: servers on other machines
     # share chunks of the same model (and the identity hash keeps other models' KV apart).
     model_name = Path(str(ctx.model_config.model_path).rstrip("/")).name
-    namespace = _rank_scoped(
-        chunk_namespace(model_name, _kv_identity(ctx.model_config, ctx.server_args)), tp
+    namespace = tp.scoped(
+        chunk_namespace(model_name, _kv_identity(ctx.model_config, ctx.server_args))
     )
     logger.info("hicache_ext chunk tier mooncake: master %s", config.master)
     # The catalogue names each chunk's writer by the address clients reach it at.
@@ -343,7 +343,7 @@ def _kv_identity(model_config: Any, server_args: Any) -> str:
 
 
 def chunk_disk_directory(
-    chunk_disk_dir: str, model_config: Any, server_args: Any, tp: TensorParallel | None = None
+    chunk_disk_dir: str, model_config: Any, server_args: Any, tp: TensorParallel
 ) -> Path:
     """`chunk_disk_dir/chunks/<model>-<hash of what shapes its KV>`, and `-tp<r>of<n>` after
     it for rank r of `--tp-size n` (one rank's shard of the heads)."""
@@ -351,13 +351,8 @@ def chunk_disk_directory(
     if Path(model_path).expanduser().exists():  # a folder, not a hub id: the same from any cwd
         model_path = str(Path(model_path).expanduser().absolute())
     identity = _kv_identity(model_config, server_args)
-    folder = _rank_scoped(chunk_namespace(model_path, identity), tp or TensorParallel())
+    folder = tp.scoped(chunk_namespace(model_path, identity))
     return Path(chunk_disk_dir).expanduser() / "chunks" / folder
-
-
-def _rank_scoped(name: str, tp: TensorParallel) -> str:
-    # At one rank the name stays what it was before tensor parallelism: nothing stored moves.
-    return f"{name}-{tp.label()}" if tp.size > 1 else name
 
 
 def add_status_to_internal_state(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:

@@ -45,9 +45,9 @@ def run_fused_batch(
     began = time.perf_counter()
     jobs = [_job(adapter, runner, forward_batch, index, plan) for index, plan in firsts]
     results = fused_prefill_batch(adapter, jobs)
-    check_selections(adapter.tp, [result.selected for result in results])
+    check_selections(rt.tp, [result.selected for result in results])
     _synchronize(adapter.device)
-    prefill_s = adapter.tp.slowest(time.perf_counter() - began)
+    prefill_s = rt.tp.slowest(time.perf_counter() - began)
     _profile(rt, results, prefill_s)
     for (index, plan), result in zip(firsts, results, strict=True):
         plan.continuation = _rows_of(adapter, plan, result)

@@ -46,9 +46,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
     plan_mixed_batch,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.rank_agreement import (
-    FALLBACK as TP_RANKS_DISAGREE,
-)
-from sglang_hicache_ext.sglang_ext.chunk_fusion.rank_agreement import (
+    RANKS_DISAGREE,
     RanksDisagreeError,
     plans_agree,
 )
@@ -172,17 +170,22 @@ def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **
     if rt is None or not adder.can_run_list:
         return original(adder, req, *args, **kwargs)
     first = adder.can_run_list[0]
-    fuse_req, fuse_first = rt.will_fuse(req), rt.will_fuse(first)
-    # Under TP every rank must batch alike; a guess that differs (a chunk one rank lost to a
-    # fault) keeps the request for the next batch on every rank, where it leads.
-    agreed = rt.tp.agree(f"{req.rid}:{fuse_req},{first.rid}:{fuse_first}")
     # A shadow check runs alone: batched with a user's request it would delay it.
-    same_kind = (shadow_of(req) is None) == (shadow_of(first) is None) and fuse_req == fuse_first
-    if not (same_kind and agreed):
+    if (shadow_of(req) is None) != (shadow_of(first) is None) or not _fused_alike(rt, req, first):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.CONTINUE
     return original(adder, req, *args, **kwargs)
+
+
+def _fused_alike(rt: FusionRuntime, req: Any, first: Any) -> bool:
+    """Whether admission guesses `req` and `first` alike (both fused or neither). Under TP every
+    rank must batch alike: a guess one rank makes otherwise (a chunk it lost to a fault) keeps
+    the request for the next batch on every rank, where it leads."""
+    fuse_req, fuse_first = rt.will_fuse(req), rt.will_fuse(first)
+    if rt.tp.size > 1 and not rt.tp.agree(f"{req.rid}:{fuse_req},{first.rid}:{fuse_first}"):
+        return False
+    return fuse_req == fuse_first
 
 
 def no_storage_prefetch_for_checks(
@@ -220,7 +223,7 @@ def forward_with_fusion(
     plans = plan_batch(rt, forward_batch)
     if plans is not None and not plans_agree(rt.tp, plans):
         disagreeing = [plan for plan in plans if plan.fused]
-        fall_back(rt, disagreeing, TP_RANKS_DISAGREE)
+        fall_back(rt, disagreeing, RANKS_DISAGREE)
         count_fallbacks(rt, disagreeing)
     if plans is None:  # nobody in the batch asked for fusion
         output = original(runner, forward_batch, *args, **kwargs)
@@ -250,7 +253,7 @@ def forward_with_fusion(
                     fall_back(rt, plans, "chunk_unreadable")
                 except RanksDisagreeError as err:  # nothing written either
                     logger.error("fusion: %s; normal prefill", err)
-                    fall_back(rt, plans, TP_RANKS_DISAGREE)
+                    fall_back(rt, plans, RANKS_DISAGREE)
             count_fallbacks(rt, plans)  # plan_batch counted none: every plan was fused then
             if checked is not None:  # the normal prefill already ran: it is the answer
                 _report(checked.logits_output, [plan.info() for plan in plans])

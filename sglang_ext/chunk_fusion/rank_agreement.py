@@ -22,7 +22,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import RequestPlan
 
 logger = logging.getLogger(__name__)
 
-FALLBACK = "tp_ranks_disagree"
+RANKS_DISAGREE = "tp_ranks_disagree"  # the fallback reason
 
 
 class RanksDisagreeError(RuntimeError):
@@ -40,7 +40,7 @@ def plans_agree(tp: TensorParallel, plans: Sequence[RequestPlan]) -> bool:
             "computes it normally (%s)",
             tp.rank,
             [plan.rid for plan in plans],
-            FALLBACK,
+            RANKS_DISAGREE,
         )
     return agreed
 

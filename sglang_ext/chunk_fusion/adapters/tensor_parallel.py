@@ -75,6 +75,7 @@ class TensorParallel:
         of a `RowParallelLinear` or `FusedMoE` (a module without it is not sharded by rows)."""
         return self.size == 1 or bool(getattr(module, "reduce_results", True))
 
-    def label(self) -> str:
-        """How stores name this rank's shard: "" at one rank, else "tp<rank>of<size>"."""
-        return "" if self.size == 1 else f"tp{self.rank}of{self.size}"
+    def scoped(self, name: str) -> str:
+        """`name` of what this rank stores (its shard): `<name>-tp<rank>of<size>`, and `name`
+        itself at one rank, so nothing stored before tensor parallelism moves."""
+        return name if self.size == 1 else f"{name}-tp{self.rank}of{self.size}"
