@@ -26,7 +26,7 @@ from sglang_hicache_ext.fusion.selectors import (
     CacheBlendSelector,
     SelectionContext,
     Selector,
-    _top,
+    top_k,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -66,7 +66,7 @@ class A3OrCacheBlend(A3Selector):
         layout = ctx.layout
         a3_rank = torch.argsort(torch.argsort(-super().score(ctx)))
         blend_rank = torch.argsort(torch.argsort(-CacheBlendSelector(self.ratio).score(ctx)))
-        top = _top(-torch.minimum(a3_rank, blend_rank).float(), self.budget(layout))
+        top = top_k(-torch.minimum(a3_rank, blend_rank).float(), self.budget(layout))
         return torch.sort(layout.chunk_positions[top]).values
 
 

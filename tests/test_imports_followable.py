@@ -35,7 +35,7 @@ def _line_of(path: Path, start: str) -> int:
 def test_go_to_definition_reaches_the_function_in_its_folder() -> None:
     code = "from sglang_hicache_ext.fusion.selectors import make_selector\n"
     definitions = _script(code).goto(1, code.index("make_selector") + 1, follow_imports=True)
-    selectors = REPO / "fusion" / "selectors.py"
+    selectors = REPO / "fusion" / "selectors" / "registry.py"
     assert [(d.name, d.type) for d in definitions] == [("make_selector", "function")]
     assert Path(definitions[0].module_path).resolve() == selectors
     assert definitions[0].line == _line_of(selectors, "def make_selector(")
@@ -44,7 +44,8 @@ def test_go_to_definition_reaches_the_function_in_its_folder() -> None:
 def test_inferred_call_is_the_function_in_its_folder() -> None:
     code = "from sglang_hicache_ext.fusion.selectors import make_selector\nmake_selector\n"
     inferred = _script(code).infer(2, 1)
-    assert [Path(d.module_path).resolve() for d in inferred] == [REPO / "fusion" / "selectors.py"]
+    registry = REPO / "fusion" / "selectors" / "registry.py"
+    assert [Path(d.module_path).resolve() for d in inferred] == [registry]
 
 
 @pytest.mark.parametrize(("package", "folder"), sorted(PACKAGE_DIR.items()))

@@ -1,0 +1,46 @@
+"""The question's attention over several middle layers, measured by a scoring pass."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+
+from sglang_hicache_ext.fusion.selectors.base import SelectionContext, Selector
+
+
+class QuestionAttentionSelector(Selector):
+    """The question's softmax attention to each chunk token, summed over heads, question tokens
+    and several layers, measured by a scoring pass of the question over the reused KV at the
+    chunks' final positions (ProphetKV, QCFuse; InfoFlow scores at final positions too).
+
+    One check layer (A3) sees attention that mostly tracks distance and sink tokens; the middle
+    layers are where a question reads the content it needs. `layers` is a [start, end) range as
+    fractions of the model's depth, so one setting serves models of any depth.
+    """
+
+    name = "question_attention"
+    DEFAULT_LAYERS: ClassVar[tuple[float, float]] = (0.25, 0.75)
+
+    def __init__(
+        self,
+        ratio: float,
+        sink_tokens: int = 0,
+        fresh_layers: int = 0,
+        layers: tuple[float, float] = DEFAULT_LAYERS,
+    ) -> None:
+        super().__init__(ratio, sink_tokens, fresh_layers)
+        start, end = layers
+        if not 0.0 <= start < end <= 1.0:
+            raise ValueError(f"scoring layers must satisfy 0 <= start < end <= 1, got {layers}")
+        self.layers = (float(start), float(end))
+
+    def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
+        first = min(math.floor(self.layers[0] * num_layers), num_layers - 1)
+        return tuple(range(first, max(first + 1, math.ceil(self.layers[1] * num_layers))))
+
+    def score(self, ctx: SelectionContext) -> torch.Tensor:
+        if ctx.question_attention is None:
+            raise ValueError(f"selector {self.name!r} needs a scoring pass")
+        return ctx.question_attention
