@@ -21,7 +21,7 @@ from sglang_hicache_ext.tuning.pareto.front import pareto_mask
 from sglang_hicache_ext.tuning.pareto.frontier_file import read_frontier, replot_frontier
 from sglang_hicache_ext.tuning.pareto.grid import grid_search
 from sglang_hicache_ext.tuning.pareto.hypervolume import hypervolume, reference_point
-from sglang_hicache_ext.tuning.pareto.select import Constraints, select, sglang_flags
+from sglang_hicache_ext.tuning.pareto.select import Constraints, describe, select, sglang_flags
 from sglang_hicache_ext.tuning.pareto.space import NO_DISK, Axis, Point, Space
 from sglang_hicache_ext.tuning.sim.profile import Profile
 from sglang_hicache_ext.tuning.sim.result import SimResult, TierHits
@@ -149,7 +149,7 @@ def test_refinement_adds_midpoints_only_where_metrics_change() -> None:
     assert not {250.0, 300.0, 350.0} & drams  # flat region 200..400 left alone
 
 
-def test_selection_and_flags() -> None:
+def test_selection_and_flags(tmp_path: Path) -> None:
     cheap = Evaluation(Point.make(0, 0, "essd_pl1"), _result(5.0, 100, 10))
     fast = Evaluation(
         Point.make(512, 600, "essd_pl3"),
@@ -169,6 +169,10 @@ def test_selection_and_flags() -> None:
     from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import DiskTierSettings
 
     assert DiskTierSettings.from_extra_config(disk).ttl_policy == "static"
+    # As the CLI prints them: a shell command line that SGLang and the extension accept.
+    (line,) = _flag_lines(describe(fast, Profile()))
+    assert _server_accepts(line, tmp_path)
+    assert "provision: 1300 GB of essd_pl3 at /mnt/essd_pl3" in describe(fast, Profile())
     assert "--hicache-storage-backend" not in sglang_flags(cheap, Profile())
 
 
@@ -209,6 +213,11 @@ def test_cli_writes_frontier_and_prints_flags(
     assert _cli(trace, tmp_path / "out", "--max-cost-per-hour", "100") == 0
     stdout = capsys.readouterr().out
     assert "sglang flags: --radix-cache-backend hicache_ext" in stdout
+    # What it prints is a command line SGLang and the extension accept (raises otherwise).
+    lines = _flag_lines(stdout)
+    assert lines
+    for line in lines:
+        _server_accepts(line, tmp_path)
     report = json.loads((tmp_path / "out" / "frontier.json").read_text())
     assert report["frontier"] and len(report["frontier"]) <= report["simulations"]
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 1000
@@ -216,6 +225,37 @@ def test_cli_writes_frontier_and_prints_flags(
     err = capsys.readouterr().err.strip()
     assert err.startswith("infeasible: no non-dominated configuration meets P99 TTFT <= 0.001 ms")
     assert len(err.splitlines()) == 1
+
+
+def _flag_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "sglang flags:" in line]
+
+
+def _server_accepts(line: str, tmp_path: Path) -> bool:
+    """The flags of one printed configuration, parsed by SGLang's own command line and checked by
+    the extension's launch checks (its disk folder moved under `tmp_path`); whether it has a
+    disk tier."""
+    import argparse
+    import shlex
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_hicache_ext.sglang_ext.server.preflight import check_disk_tier, check_settings
+
+    flags = shlex.split(line.split("sglang flags:", 1)[1].split("  (equivalently")[0])
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", str(tmp_path), *flags])
+    assert args.radix_cache_backend == "hicache_ext"
+    if args.hicache_storage_backend is None:
+        return False
+    extra = json.loads(args.hicache_storage_backend_extra_config)
+    assert extra["disk_dir"].startswith("/mnt/")  # where the printed volume is to be mounted
+    extra["disk_dir"] = str(tmp_path / "disk" / Path(extra["disk_dir"]).name)
+    args.hicache_storage_backend_extra_config = json.dumps(extra)
+    check_settings(args)
+    check_disk_tier(args)
+    return True
 
 
 def test_frontier_file_reads_back_what_the_cli_wrote(tmp_path: Path) -> None:

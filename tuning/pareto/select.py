@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,24 +111,23 @@ def hicache_ratio(evaluation: Evaluation, profile: Profile) -> float:
     return evaluation.point.dram_gb * 1e9 / (device_tokens * profile.kv_bytes_per_token)
 
 
-def extension_settings(evaluation: Evaluation) -> dict[str, object]:
-    """Disk-tier settings of the extension (TTL, provisioned volume) for the configuration."""
+def provisioning(evaluation: Evaluation) -> dict[str, object] | None:
+    """What to provision for the configuration's disk tier (None: no disk tier). Not settings:
+    the server's disk tier is configured entirely by the flags of `sglang_flags`."""
     point, r = evaluation.point, evaluation.result
     if point.disk == NO_DISK:
-        return {"disk_tier": None}
+        return None
     return {
-        "disk_tier": {
-            "ttl_s": point.ttl_s,
-            "disk_type": point.disk,
-            "capacity_gb": r.disk_gb,
-            "expected_bandwidth_mb_s": round(r.disk_bandwidth_mb_s, 1),
-        }
+        "disk_type": point.disk,
+        "volume_gb": round(r.disk_gb, 1),
+        "expected_bandwidth_mb_s": round(r.disk_bandwidth_mb_s, 1),
     }
 
 
 def describe(evaluation: Evaluation, profile: Profile) -> str:
     point, r = evaluation.point, evaluation.result
-    flags = " ".join(sglang_flags(evaluation, profile))
+    # Quoted for a shell: the extra-config is JSON.
+    flags = shlex.join(sglang_flags(evaluation, profile))
     lines = [
         f"DRAM {point.dram_gb:g} GB/instance, disk TTL {point.ttl_s:g} s, disk {point.disk}: "
         f"mean TTFT {r.mean_ttft_s * 1000:.0f} ms, P99 TTFT {r.p99_ttft_s * 1000:.0f} ms, "
@@ -139,6 +139,11 @@ def describe(evaluation: Evaluation, profile: Profile) -> str:
             if point.dram_gb > 0
             else ""
         ),
-        f"  extension settings: {json.dumps(extension_settings(evaluation))}",
     ]
+    volume = provisioning(evaluation)
+    if volume is not None:
+        lines.append(
+            f"  provision: {volume['volume_gb']:g} GB of {volume['disk_type']} at /mnt/{point.disk} "
+            f"(about {volume['expected_bandwidth_mb_s']:g} MB/s of reads expected)"
+        )
     return "\n".join(lines)
