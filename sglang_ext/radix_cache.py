@@ -9,10 +9,10 @@ of the extension's per-tree state (chunk store, groups and TTLs come with later 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import cachetools
 import torch
 
 from sglang_hicache_ext.fusion.rope import layer_rope_specs
@@ -65,7 +65,8 @@ def cache_class() -> type:
             chunks_unavailable: str = "not initialised"
             auto_capture: AutoCapture | None = None  # with the setting auto_chunks
             disk_tier: Any = None  # sglang_hicache_ext.sglang_ext.disk_tier.storage_backend.GroupTTLDiskStorage when in use
-            _recorded_rids: OrderedDict[str, None] | None = None
+            # The requests whose access was logged: a set bounded to the last _RECORDED_RIDS.
+            _recorded_rids: cachetools.FIFOCache[str, None] | None = None
 
             def match_prefix(self, params: Any) -> Any:
                 result = super().match_prefix(params)
@@ -81,14 +82,12 @@ def cache_class() -> type:
             def _record_access(self, params: Any, result: Any) -> None:
                 """Log the request's pages (once per request) and which tier served them."""
                 if self._recorded_rids is None:
-                    self._recorded_rids = OrderedDict()
+                    self._recorded_rids = cachetools.FIFOCache(_RECORDED_RIDS)
                 rid = params.req.rid
                 # The scheduler may match a waiting request several times: count it once.
                 if rid in self._recorded_rids:
                     return
-                self._recorded_rids[rid] = None
-                if len(self._recorded_rids) > _RECORDED_RIDS:
-                    self._recorded_rids.popitem(last=False)
+                self._recorded_rids[rid] = None  # the oldest rid goes beyond _RECORDED_RIDS
                 pages = self.page_keys(params.key)
                 if not pages:
                     return

@@ -66,6 +66,24 @@ def test_failed_replace_keeps_the_old_value() -> None:
     assert store.stats().bytes_used == 90
 
 
+def test_recency_order_skips_pins_and_a_refused_put_counts_its_evictions() -> None:
+    store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=100)
+    for key in "abcd":
+        store.put(key, Blob(20))
+    store.pin("a")  # a lookup: a becomes the most recent
+    assert store.get("b") is not None and store.peek("c") is not None  # peek leaves c's place
+    assert [key for key, _ in store.items()] == ["c", "d", "a", "b"]
+    assert store.put("e", Blob(40)) == ["c"]  # the least recent unpinned entries go first
+    assert [key for key, _ in store.items()] == ["d", "a", "b", "e"]
+    store.pin("b")
+    store.pin("e")
+    with pytest.raises(HostCacheFullError, match="pinned by running requests"):
+        store.put("f", Blob(70))  # d is evicted, then a, b and e are all pinned
+    assert [key for key, _ in store.items()] == ["a", "b", "e"]
+    stats = store.stats()
+    assert (stats.evictions, stats.rejected, stats.bytes_used) == (2, 1, 80)
+
+
 def test_unpin_without_pin_and_unknown_remove() -> None:
     store: HostChunkCache[Blob] = HostChunkCache(capacity_bytes=10)
     store.put("a", Blob(1))

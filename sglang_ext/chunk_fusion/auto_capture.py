@@ -33,11 +33,12 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import cachetools
 import numpy as np
 import torch
 
@@ -172,7 +173,8 @@ class AutoCapture:
         self.seconds = 0.0
         self._clock = clock
         self._recent: deque[float] = deque()
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        # The requests already captured: a set bounded to the last _SEEN_REQUESTS of them.
+        self._seen: cachetools.FIFOCache[str, None] = cachetools.FIFOCache(_SEEN_REQUESTS)
         # background=False prepares pieces on the caller's thread (tests, in-process use).
         self._worker = ShortLivedWorker("hicache-ext-capture") if background else None
         self._jobs: deque[tuple[Future[list[_Piece]], frozenset[str]]] = deque()
@@ -230,8 +232,6 @@ class AutoCapture:
         self.settle()
         began = time.perf_counter()
         self._seen[rid] = None
-        if len(self._seen) > _SEEN_REQUESTS:
-            self._seen.popitem(last=False)
         tokens = [int(t) for t in tokens]  # the background thread gets its own copy
         pieces = document_segments(tokens, self.breaks, self.rule)
         if not pieces:

@@ -23,9 +23,10 @@ costs only what it gained. A chunk the registry forgets drops its variants.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
+
+import cachetools
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.radix.chunk_index import ChunkMatch
@@ -44,23 +45,41 @@ def document_set(matches: list[ChunkMatch]) -> DocumentSet:
     return frozenset(match.chunk_id for match in matches)
 
 
+class _VariantRows(cachetools.LRUCache[_Key, PrecomputedChunk]):
+    """The variants' rows, LRU within `capacity_bytes` of their `nbytes`; each eviction (the
+    `popitem` cachetools calls while an insert does not fit) is counted in `counts`."""
+
+    def __init__(self, capacity_bytes: int, counts: dict[str, int]) -> None:
+        super().__init__(capacity_bytes, getsizeof=lambda chunk: chunk.nbytes)
+        self._counts = counts
+
+    def popitem(self) -> tuple[_Key, PrecomputedChunk]:
+        evicted = super().popitem()
+        self._counts["evicted"] += 1
+        ContextVariants._metric("evicted")
+        return evicted
+
+
 class ContextVariants:
     """Per scheduler process: (document set, chunk span) -> the span's rows in that set, LRU."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self.bytes_used = 0
-        self._rows: OrderedDict[_Key, PrecomputedChunk] = OrderedDict()
         self.counts = dict.fromkeys(
             ("kept", "replaced", "evicted", "too_large", "used", "failed"), 0
         )
+        self._rows = _VariantRows(capacity_bytes, self.counts)
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the rows kept (at most `capacity_bytes`)."""
+        return self._rows.currsize
 
     def get(self, documents: DocumentSet, match: ChunkMatch) -> PrecomputedChunk | None:
         """The matched span's rows computed in a prompt of exactly `documents`, else None."""
         key = (documents, match.chunk_id, match.chunk_start, match.chunk_end)
-        chunk = self._rows.get(key)
+        chunk = self._rows.get(key)  # a hit becomes the most recently used
         if chunk is not None:
-            self._rows.move_to_end(key)
             self.counts["used"] += 1
             self._metric("used")
         return chunk
@@ -78,17 +97,11 @@ class ContextVariants:
         if not self.fits(chunk.nbytes):
             return False
         key = (documents, match.chunk_id, match.chunk_start, match.chunk_end)
-        old = self._rows.pop(key, None)
-        if old is not None:  # the latest check's rows: the same context, computed again
-            self.bytes_used -= old.nbytes
+        # The rows replaced (the latest check's: the same context, computed again) leave before
+        # the insert, so that they are not evicted for it.
+        if self._rows.pop(key, None) is not None:
             self.counts["replaced"] += 1
-        self._rows[key] = chunk
-        self.bytes_used += chunk.nbytes
-        while self.bytes_used > self.capacity_bytes:
-            _, evicted = self._rows.popitem(last=False)
-            self.bytes_used -= evicted.nbytes
-            self.counts["evicted"] += 1
-            self._metric("evicted")
+        self._rows[key] = chunk  # evicts the least recently used rows until it fits
         self.counts["kept"] += 1
         self._metric("kept")
         return True
@@ -99,7 +112,7 @@ class ContextVariants:
         if not gone or not self._rows:
             return
         for key in [key for key in self._rows if not gone.isdisjoint(key[0])]:
-            self.bytes_used -= self._rows.pop(key).nbytes
+            del self._rows[key]
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -10,9 +10,11 @@ rather than overfilling the capacity.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+import cachetools
 
 
 class HasNbytes(Protocol):
@@ -44,6 +46,40 @@ class HostCacheStats(LruCounts):
     rejected: int
 
 
+class _AllPinnedError(Exception):
+    """An insert still does not fit and every entry left is pinned."""
+
+
+# Not `cachetools.LRUCache`: it keeps its recency order to itself and iterates in insertion
+# order, and both the eviction past pinned entries and `items` need the recency order. A plain
+# `Cache` whose own order is the recency does: an insert appends, `touch` re-inserts at the end.
+class _PinnedLru(cachetools.Cache[str, V]):
+    """Entries bounded by the sum of their `nbytes`, iterated least recently used first.
+
+    `Cache` calls `popitem` while an insert does not fit: it evicts the least recently used
+    entry that `pinned` does not hold and appends its key to `evicted` (the owner resets the
+    list), or raises _AllPinnedError when every entry left is pinned (those evicted so far stay
+    evicted, and the insert does not happen)."""
+
+    def __init__(self, capacity_bytes: int, pinned: Callable[[str], bool]) -> None:
+        super().__init__(capacity_bytes, getsizeof=lambda value: int(value.nbytes))
+        self._pinned = pinned
+        self.evicted: list[str] = []
+
+    def touch(self, key: str) -> V:
+        """The entry, made the most recently used."""
+        value = self.pop(key)
+        self[key] = value  # fits: its bytes were counted a moment ago
+        return value
+
+    def popitem(self) -> tuple[str, V]:
+        oldest = next((key for key in self if not self._pinned(key)), None)
+        if oldest is None:
+            raise _AllPinnedError
+        self.evicted.append(oldest)
+        return oldest, self.pop(oldest)
+
+
 class HostChunkCache(Generic[V]):
     """Thread-safe LRU by bytes; `get` refreshes recency; `pin`/`unpin` protect entries in use."""
 
@@ -51,9 +87,8 @@ class HostChunkCache(Generic[V]):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes
-        self._entries: OrderedDict[str, V] = OrderedDict()
         self._pins: dict[str, int] = {}
-        self._bytes = 0
+        self._entries: _PinnedLru[V] = _PinnedLru(capacity_bytes, self._pinned_locked)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("hits", "misses", "evictions", "rejected"), 0)
 
@@ -90,60 +125,60 @@ class HostChunkCache(Generic[V]):
             if if_absent and key in self._entries:
                 return []
             old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= int(old.nbytes)
-            evicted = self._make_room(size) if evict else []
-            if self._bytes + size > self._capacity:
+            self._entries.evicted = evicted = []
+            stored = evict or self._entries.currsize + size <= self._capacity
+            if stored:
+                try:
+                    self._entries[key] = value  # evicts (`_PinnedLru.popitem`) until it fits
+                except _AllPinnedError:
+                    stored = False
+            # A refused insert may have evicted entries before finding the rest pinned.
+            self._counts["evictions"] += len(evicted)
+            if not stored:
                 if old is not None:  # keep what was stored: a failed replace must not lose it
                     self._entries[key] = old
-                    self._bytes += int(old.nbytes)
                 self._counts["rejected"] += 1
                 raise HostCacheFullError(
-                    f"entry {key[:12]} needs {size} bytes; {self._capacity - self._bytes} are free "
+                    f"entry {key[:12]} needs {size} bytes; "
+                    f"{self._capacity - self._entries.currsize} are free "
                     "and the rest is pinned by running requests"
                 )
-            self._entries[key] = value
-            self._bytes += size
             return evicted
 
     def get(self, key: str) -> V | None:
         with self._lock:
-            value = self._entries.get(key)
-            if value is None:
+            if key not in self._entries:
                 self._counts["misses"] += 1
                 return None
-            self._entries.move_to_end(key)
             self._counts["hits"] += 1
-            return value
+            return self._entries.touch(key)
 
     def remove(self, key: str) -> bool:
         """Drop an entry; refused (False) while it is pinned. Unknown keys raise KeyError."""
         with self._lock:
             if key not in self._entries:
                 raise KeyError(key)
-            if self._pins.get(key, 0) > 0:
+            if self._pinned_locked(key):
                 return False
-            self._bytes -= int(self._entries.pop(key).nbytes)
+            del self._entries[key]
             return True
 
     def pinned(self, key: str) -> bool:
         """Whether a running request holds `key`."""
         with self._lock:
-            return self._pins.get(key, 0) > 0
+            return self._pinned_locked(key)
 
     def pin(self, key: str) -> V:
         """Take a reference that keeps the entry resident; KeyError if it is not stored.
 
         A lookup like `get` (fusion reads chunks this way), so it counts as a hit or a miss."""
         with self._lock:
-            value = self._entries.get(key)
-            if value is None:
+            if key not in self._entries:
                 self._counts["misses"] += 1
                 raise KeyError(key)
             self._counts["hits"] += 1
             self._pins[key] = self._pins.get(key, 0) + 1
-            self._entries.move_to_end(key)
-            return value
+            return self._entries.touch(key)
 
     def unpin(self, key: str) -> None:
         with self._lock:
@@ -157,17 +192,9 @@ class HostChunkCache(Generic[V]):
 
     def stats(self) -> HostCacheStats:
         with self._lock:
-            occupancy = (len(self._entries), self._bytes, self._capacity)
+            occupancy = (len(self._entries), self._entries.currsize, self._capacity)
             return HostCacheStats(*occupancy, **self._counts)
 
-    def _make_room(self, size: int) -> list[str]:
-        evicted: list[str] = []
-        for key in list(self._entries):  # oldest first
-            if self._bytes + size <= self._capacity:
-                break
-            if self._pins.get(key, 0) > 0:
-                continue
-            self._bytes -= int(self._entries.pop(key).nbytes)
-            self._counts["evictions"] += 1
-            evicted.append(key)
-        return evicted
+    def _pinned_locked(self, key: str) -> bool:
+        """`pinned`, for a caller that holds the lock."""
+        return self._pins.get(key, 0) > 0
