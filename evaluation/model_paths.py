@@ -13,6 +13,8 @@ SMOLLM2 = "SmolLM2-135M-Instruct"
 QWEN_CODER = "Qwen2.5-Coder-0.5B-Instruct"
 TINY_LLAMA = "tiny-llama"
 TINY_QWEN2 = "tiny-qwen2"
+# Random weights behind SmolLM2's tokenizer: the prompts of the tier tests, at a fraction of the cost.
+TINY_SMOLLM2 = "tiny-smollm2"
 PREPARED_MARKER = ".prepared"
 PREPARE_HINT = "python scripts/prepare_models.py smollm2"
 

@@ -33,6 +33,7 @@ from sglang_hicache_ext.evaluation.model_paths import (
     SMOLLM2,
     TINY_LLAMA,
     TINY_QWEN2,
+    TINY_SMOLLM2,
     cache_dir,
     model_dir,
     tiny_family_dir,
@@ -44,6 +45,7 @@ __all__ = [
     "SMOLLM2",
     "TINY_LLAMA",
     "TINY_QWEN2",
+    "TINY_SMOLLM2",
     "cache_dir",
     "model_dir",
     "prepare",
@@ -279,10 +281,49 @@ def _build_tiny_family(family: str) -> Callable[[Path], None]:
     return build
 
 
+def _build_tiny_smollm2(out: Path) -> None:
+    """A 4-layer random Llama with SmolLM2's tokenizer, chat template and special tokens: what
+    the HiCache tier tests send is tokenised as on SmolLM2 (the same prompt lengths against the
+    same device pool), and a prefill costs a few percent of SmolLM2's. Those tests check that a
+    prefix comes back from host, file or disk unchanged (the same output ids, byte-exact pages),
+    which no property of the weights decides."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    source = prepare(SMOLLM2)
+    for item in source.iterdir():
+        if item.name.startswith(("tokenizer", "chat_template")) or item.name in (
+            "special_tokens_map.json",
+            "generation_config.json",
+        ):
+            shutil.copy2(item, out / item.name)
+    smollm2 = json.loads((source / "config.json").read_text())
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=smollm2["vocab_size"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=smollm2["max_position_embeddings"],
+        rope_theta=smollm2.get("rope_theta", 10000.0),
+        bos_token_id=smollm2.get("bos_token_id"),
+        eos_token_id=smollm2.get("eos_token_id"),
+        # Untied: an output head of its own keeps the answer a function of the whole context
+        # (tied, random weights mostly repeat a token).
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     SMOLLM2: _build_smollm2,
     TINY_LLAMA: _build_tiny("llama"),
     TINY_QWEN2: _build_tiny("qwen2"),
+    TINY_SMOLLM2: _build_tiny_smollm2,
     QWEN_CODER: _build_qwen_coder,
     **{tiny_family_dir(family): _build_tiny_family(family) for family in FAMILIES},
 }
@@ -290,6 +331,7 @@ ALIASES = {
     "smollm2": SMOLLM2,
     "tiny-llama": TINY_LLAMA,
     "tiny-qwen2": TINY_QWEN2,
+    "tiny-smollm2": TINY_SMOLLM2,
     "qwen-coder": QWEN_CODER,
     **{tiny_family_dir(family): tiny_family_dir(family) for family in FAMILIES},
 }
@@ -298,6 +340,7 @@ DEFAULT_MODELS = (
     "smollm2",
     "tiny-llama",
     "tiny-qwen2",
+    "tiny-smollm2",
     *(tiny_family_dir(family) for family in FAMILIES),
 )
 

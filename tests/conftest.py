@@ -23,7 +23,13 @@ from tests import parallel_workers  # noqa: E402
 
 parallel_workers.prepare_this_process()  # before anything imports torch
 
-from scripts.prepare_models import SMOLLM2, TINY_LLAMA, TINY_QWEN2, prepare  # noqa: E402
+from scripts.prepare_models import (  # noqa: E402
+    SMOLLM2,
+    TINY_LLAMA,
+    TINY_QWEN2,
+    TINY_SMOLLM2,
+    prepare,
+)
 from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import disk_tier_extra_config  # noqa: E402
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR  # noqa: E402
 from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
@@ -135,6 +141,13 @@ def tiny_qwen2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm2_path() -> Path:
+    """Random weights behind SmolLM2's tokenizer (scripts/prepare_models.py): for the tests of
+    HiCache's tiers, whose prompts it tokenises as SmolLM2 does at a few percent of the cost."""
+    return prepare(TINY_SMOLLM2)
+
+
+@pytest.fixture(scope="session")
 def models(tiny_llama_path: Path, tiny_qwen2_path: Path) -> dict[str, object]:
     """The tiny Llama and Qwen2 models (fp32) behind the fusion engine's transformers adapter."""
     import torch
@@ -154,10 +167,18 @@ def models(tiny_llama_path: Path, tiny_qwen2_path: Path) -> dict[str, object]:
 def hicache_server(
     smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerConfig]:
-    """SmolLM2 with --radix-cache-backend hicache_ext, HiCache host tier and file tier."""
+    """SmolLM2 with `hicache_config`: shared by the fusion tests."""
     workdir = tmp_path_factory.mktemp("hicache_server")
-    config = ServerConfig(
-        model_path=str(smollm2_path),
+    config = hicache_config(smollm2_path, workdir)
+    with SHARED_SERVERS.serve("hicache_server", config, workdir / "server.log") as running:
+        yield running
+
+
+def hicache_config(model_path: Path, workdir: Path) -> ServerConfig:
+    """--radix-cache-backend hicache_ext with HiCache's host tier and SGLang's file tier below
+    it (in `workdir`)."""
+    return ServerConfig(
+        model_path=str(model_path),
         port=free_port(),
         max_total_tokens=E2E_DEVICE_TOKENS,
         hierarchical_cache=True,
@@ -167,12 +188,10 @@ def hicache_server(
         # SGLang's Prometheus /metrics on, for tests/test_server_metrics.py.
         extra_args=("--hicache-ratio", "4", "--enable-metrics"),
     )
-    with SHARED_SERVERS.serve("hicache_server", config, workdir / "server.log") as running:
-        yield running
 
 
 def disk_tier_config(model_path: Path, disk_dir: Path, **options: object) -> ServerConfig:
-    """SmolLM2 with our disk tier: 2 GB, group TTLs over 2 groups, plans triggered by the tests.
+    """Our disk tier: 2 GB, group TTLs over 2 groups, plans triggered by the tests.
 
     `group-always` publishes the group plan at every re-plan: these tests check what groups do
     on a live server (pages carry them, TTLs follow them). The default `group` policy publishes
@@ -207,12 +226,14 @@ def disk_tier_config(model_path: Path, disk_dir: Path, **options: object) -> Ser
 
 @pytest.fixture(scope="session")
 def disk_server(
-    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerConfig]:
-    """SmolLM2 with the disk tier and SGLang's Prometheus /metrics, one per session: shared by
-    tests/test_server_disk_tier.py and tests/test_server_metrics.py (a start costs a minute)."""
+    """The disk tier and SGLang's Prometheus /metrics, one per session: shared by
+    tests/test_server_disk_tier.py and tests/test_server_metrics.py. What they check (pages
+    written, read back unchanged, expired on time) is the tier's, not the model's: SmolLM2's
+    tokenizer over random weights (`tiny_smollm2_path`)."""
     workdir = tmp_path_factory.mktemp("disk_tier")
-    config = disk_tier_config(smollm2_path, workdir / "disk", initial_ttl_s=600)
+    config = disk_tier_config(tiny_smollm2_path, workdir / "disk", initial_ttl_s=600)
     config = dataclasses.replace(config, extra_args=(*config.extra_args, "--enable-metrics"))
     with SHARED_SERVERS.serve("disk_server", config, workdir / "server.log") as running:
         yield running

@@ -39,10 +39,10 @@ def _wait_saved(url: str, timeout_s: float = 30.0) -> dict:
 
 
 def test_history_survives_a_restart_and_a_second_server_is_refused(
-    smollm2_path: Path, tmp_path: Path
+    tiny_smollm2_path: Path, tmp_path: Path
 ) -> None:
     disk_dir = tmp_path / "disk"
-    with running_server(_config(smollm2_path, disk_dir), tmp_path / "first.log") as first:
+    with running_server(_config(tiny_smollm2_path, disk_dir), tmp_path / "first.log") as first:
         for _ in range(3):
             for topic in ("lighthouses", "glaciers"):
                 generate(first.url, _prompt(topic), max_new_tokens=1)
@@ -50,7 +50,7 @@ def test_history_survives_a_restart_and_a_second_server_is_refused(
         recorded = before["ttl"]["window_page_accesses"]
         assert before["ttl_history"]["saved_requests"] == before["ttl"]["window_requests"] == 6
 
-        second = _config(smollm2_path, disk_dir)
+        second = _config(tiny_smollm2_path, disk_dir)
         started = time.monotonic()
         refused = refused_launch(second, tmp_path / "second.log")
         refused_in_s = time.monotonic() - started
@@ -67,7 +67,9 @@ def test_history_survives_a_restart_and_a_second_server_is_refused(
         print(f"\nsecond server ({refused_in_s:.1f} s, exit {refused.returncode}): {errors[0]}")
 
     # Restarted with the default policy: group TTLs behind the shadow guard.
-    restarted = disk_tier_config(smollm2_path, disk_dir, ttl_history_save_s=1, ttl_policy="group")
+    restarted = disk_tier_config(
+        tiny_smollm2_path, disk_dir, ttl_history_save_s=1, ttl_policy="group"
+    )
     with running_server(restarted, tmp_path / "again.log") as again:
         after = _status(again.url)
         history = after["ttl_history"]

@@ -1,16 +1,31 @@
-"""End-to-end against one real SGLang 0.5.23 server on CPU with the plugin and HiCache on."""
+"""End-to-end against one real SGLang 0.5.23 server on CPU with the plugin and HiCache on.
+
+The server is `hicache_config` (tests/conftest.py) over SmolLM2's tokenizer with random weights
+(`tiny_smollm2_path`): a prefix served from the host or the file tier must give the same output
+ids as its first prefill, whatever the weights; the prompts are SmolLM2's lengths."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
-from tests.conftest import E2E_DEVICE_TOKENS, generate
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache, running_server
+from tests.conftest import E2E_DEVICE_TOKENS, generate, hicache_config
 
 pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def tier_server(
+    tiny_smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerConfig]:
+    workdir = tmp_path_factory.mktemp("tier_server")
+    with running_server(hicache_config(tiny_smollm2_path, workdir), workdir / "server.log") as up:
+        yield up
 
 
 def _prompt(topic: str, sentences: int = 70) -> str:
@@ -21,8 +36,8 @@ def _prompt(topic: str, sentences: int = 70) -> str:
     return f"{body}\nQuestion: what is the topic of these facts?\nAnswer:"
 
 
-def test_plugin_is_active(hicache_server) -> None:
-    info = requests.get(hicache_server.url + "/server_info", timeout=30).json()
+def test_plugin_is_active(tier_server) -> None:
+    info = requests.get(tier_server.url + "/server_info", timeout=30).json()
     assert info["radix_cache_backend"] == "hicache_ext"
     assert info["attention_backend"] == "torch_position"
     ext = info["internal_states"][0]["hicache_ext"]
@@ -32,8 +47,8 @@ def test_plugin_is_active(hicache_server) -> None:
     assert ext["storage_backend"] == "file"
 
 
-def test_repeat_served_from_host_tier_then_file_tier(hicache_server) -> None:
-    url = hicache_server.url
+def test_repeat_served_from_host_tier_then_file_tier(tier_server) -> None:
+    url = tier_server.url
     flush_cache(url)
     target = _prompt("the river Thames")
     first = generate(url, target, max_new_tokens=12)
@@ -63,8 +78,8 @@ def test_repeat_served_from_host_tier_then_file_tier(hicache_server) -> None:
     assert from_file["output_ids"] == first["output_ids"]
 
 
-def test_prefix_cached_repeat_is_identical_and_fast(hicache_server) -> None:
-    url = hicache_server.url
+def test_prefix_cached_repeat_is_identical_and_fast(tier_server) -> None:
+    url = tier_server.url
     flush_cache(url)
     prompt = _prompt("lighthouses", sentences=120)
     cold = generate(url, prompt, max_new_tokens=16)
