@@ -241,12 +241,16 @@ def disk_server(
 
 @pytest.fixture(scope="session")
 def chunked_prefill_server(
-    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerConfig]:
-    """SmolLM2 prefilling in rounds of `CHUNKED_PREFILL_TOKENS`, HiCache host tier: shared by
+    """Prefilling in rounds of `CHUNKED_PREFILL_TOKENS`, HiCache host tier: shared by
     tests/test_server_concurrency.py and the chunk capture across rounds of
     tests/test_server_chunks.py. Every fused answer is shadow-checked (`fusion_shadow_rate` 1)
-    into a queue of `SHADOW_QUEUE`: concurrent traffic fills it."""
+    into a queue of `SHADOW_QUEUE`: concurrent traffic fills it. What these tests assert is
+    scheduling's, not the weights': each answer under concurrent, split traffic is its own
+    one-by-one answer, r = 1 is the normal prefill, stored rows are the model's keys. So the
+    model is SmolLM2's tokenizer over random weights (`tiny_smollm2_path`): SmolLM2's prompts
+    and rounds, a prefill a few percent of its cost."""
     workdir = tmp_path_factory.mktemp("chunked_prefill")
     settings = workdir / "settings.json"
     settings.write_text(
@@ -263,7 +267,7 @@ def chunked_prefill_server(
         )
     )
     config = ServerConfig(
-        model_path=str(smollm2_path),
+        model_path=str(tiny_smollm2_path),
         port=free_port(),
         # Room for every request at once: a retracted request is re-prefilled with its output,
         # which is legitimately a different computation than its one-by-one run.

@@ -129,18 +129,20 @@ def test_probe_out_of_range_is_400(hicache_server) -> None:
 
 
 def test_chunk_longer_than_a_prefill_round(
-    chunked_prefill_server: ServerConfig, smollm2_path: Path
+    chunked_prefill_server: ServerConfig, tiny_smollm2_path: Path
 ) -> None:
     """Chunked prefill checkpoints every round; the capture must wait for the whole chunk."""
     from transformers import AutoTokenizer
 
     url, rounds = chunked_prefill_server.url, CHUNKED_PREFILL_TOKENS
     text = " ".join(f"Entry {i} lists the value {i * 13 % 29} for the field." for i in range(40))
-    token_ids = AutoTokenizer.from_pretrained(smollm2_path).encode(text, add_special_tokens=False)
+    token_ids = AutoTokenizer.from_pretrained(tiny_smollm2_path).encode(
+        text, add_special_tokens=False
+    )
     assert len(token_ids) > 3 * rounds
     chunk = requests.post(url + "/chunks", json={"input_ids": token_ids}, timeout=120).json()
     assert chunk["created"] is True and chunk["num_tokens"] == len(token_ids)
-    reference = _hf_pre_rope_keys(smollm2_path, token_ids)
+    reference = _hf_pre_rope_keys(tiny_smollm2_path, token_ids)
     for layer in (0, 1, len(reference) // 2, len(reference) - 1):
         # first, middle and last prefill round
         for token in (0, 2 * rounds + 40, len(token_ids) - 1):

@@ -108,10 +108,10 @@ def _fused(selector: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def jobs(chunked_prefill_server: ServerConfig, smollm2_path: Path) -> list[Job]:
+def jobs(chunked_prefill_server: ServerConfig, tiny_smollm2_path: Path) -> list[Job]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_smollm2_path))
     docs = _short_documents(tokenizer, 12, max_tokens=70)
     for doc in docs:
         response = requests.post(
@@ -328,7 +328,7 @@ def _fusion_stats(url: str) -> dict[str, int]:
 
 
 def test_long_fused_prompt_across_rounds_equals_normal_prefill(
-    chunked_prefill_server: ServerConfig, smollm2_path: Path
+    chunked_prefill_server: ServerConfig, tiny_smollm2_path: Path
 ) -> None:
     """A ~1.5K-token prompt of 10 registered paragraphs at 128-token rounds: fused (computed in
     the first round, written round by round), and at r = 1 the normal prefill's tokens."""
@@ -339,7 +339,7 @@ def test_long_fused_prompt_across_rounds_equals_normal_prefill(
     for doc in docs:
         assert requests.post(url + "/chunks", json={"text": doc}, timeout=300).status_code == 200
     prompt = "Split check.\n" + "\n\n".join(docs[::-1]) + "\nWhich is the oldest?\nA:"
-    tokens = len(AutoTokenizer.from_pretrained(str(smollm2_path)).encode(prompt))
+    tokens = len(AutoTokenizer.from_pretrained(str(tiny_smollm2_path)).encode(prompt))
     assert tokens >= 1200
     before = _fusion_stats(url)
     fused = _generate(url, prompt, _fused("full"))
