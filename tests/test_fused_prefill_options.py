@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -135,6 +136,24 @@ def test_auto_ratio_with_and_without_a_ratio_table() -> None:
     assert options.recompute_ratio == "auto"
     with pytest.raises(ValueError, match=r'a number in \[0, 1\] or "auto", got \'AUTO\''):
         parse_options({"fusion_recompute_ratio": "AUTO"}, tuned)
+
+
+def test_a_ratio_table_under_home_is_read_as_the_launch_check_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fusion_ratio_table = "~/..."` passes the launch check (which expands `~`); the scheduler
+    reads the same file, rather than failing every "auto" request with `ratio_not_tuned`."""
+    from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime
+    from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    table = RatioTable("m", {"host": TunedRatio(0.2, 0.15, 0.1, 1.0, "roofline prior")})
+    table.save(tmp_path / "ratios.json")
+    runtime = SimpleNamespace(
+        _ratio_table=None,
+        settings=DEFAULTS.model_copy(update={"fusion_ratio_table": "~/ratios.json"}),
+    )
+    assert FusionRuntime.ratio_table(runtime).tiers["host"].ratio == 0.2  # type: ignore[arg-type]
 
 
 def test_auto_ratio_setting_with_or_without_a_table() -> None:

@@ -89,7 +89,9 @@ class FusionRuntime:
         if self._ratio_table is None:
             if not self.settings.fusion_ratio_table:
                 raise ValueError("no fusion_ratio_table is set")
-            self._ratio_table = load_ratio_table(Path(self.settings.fusion_ratio_table))
+            self._ratio_table = load_ratio_table(
+                Path(self.settings.fusion_ratio_table).expanduser()
+            )
         return self._ratio_table
 
     def will_fuse(self, req: Any) -> bool:
