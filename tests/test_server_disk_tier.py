@@ -50,6 +50,22 @@ def _wait_written(url: str, pages: int, timeout_s: float = 20.0) -> dict:
     raise AssertionError(f"fewer than {pages} pages reached the disk tier: {status['disk']}")
 
 
+def _wait_settled(url: str, quiet_s: float = 2.0, timeout_s: float = 30.0) -> None:
+    """Until the disk tier has taken no page for `quiet_s`: HiCache writes pages through
+    asynchronously, so an earlier test's last pages may still be on their way."""
+    deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        disk = _status(url)["disk"]
+        now = (disk["entries"], disk["used_bytes"])
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the disk tier kept taking pages for {timeout_s} s: {last}")
+
+
 def test_pages_carry_their_subtree_group(disk_server: ServerConfig) -> None:
     url = disk_server.url
     flush_cache(url)
@@ -78,6 +94,8 @@ def test_short_ttl_expires_on_time_and_expired_prefix_is_recomputed(
 ) -> None:
     url = disk_server.url
     ttl_s = 3.0
+    # The previous test's pages keep their planned TTL: none may land after the change below.
+    _wait_settled(url)
     _set_ttls(url, {"default_ttl_s": ttl_s, "ttls": {}})
     # Pages written or read from now on take the new TTL; pages the previous test wrote a few
     # seconds ago keep their planned one, so they are told apart by last access, not write time.
