@@ -264,6 +264,14 @@ def _build_tiny(family: str) -> Callable[[Path], None]:
     return build
 
 
+def _copy_tokenizer(source: Path, out: Path, chat_template: bool = False) -> None:
+    """The tokenizer files of the prepared model `source`, and its chat template if asked."""
+    prefixes = ("tokenizer", "chat_template") if chat_template else ("tokenizer",)
+    for item in source.iterdir():
+        if item.name.startswith(prefixes) or item.name == "special_tokens_map.json":
+            shutil.copy2(item, out / item.name)
+
+
 def _build_tiny_family(family: str) -> Callable[[Path], None]:
     """A tiny random model of one of the families fusion serves (`evaluation/tiny_families.py`),
     with the tiny Llama's tokenizer."""
@@ -272,9 +280,7 @@ def _build_tiny_family(family: str) -> Callable[[Path], None]:
         from sglang_hicache_ext.evaluation.tiny_families import tiny_family_model
 
         tokenizer_source = prepare(TINY_LLAMA)
-        for item in tokenizer_source.iterdir():
-            if item.name.startswith("tokenizer") or item.name == "special_tokens_map.json":
-                shutil.copy2(item, out / item.name)
+        _copy_tokenizer(tokenizer_source, out)
         model = tiny_family_model(family)
         model.save_pretrained(out, safe_serialization=True)
 
@@ -291,12 +297,7 @@ def _build_tiny_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     source = prepare(SMOLLM2)
-    for item in source.iterdir():
-        if item.name.startswith(("tokenizer", "chat_template")) or item.name in (
-            "special_tokens_map.json",
-            "generation_config.json",
-        ):
-            shutil.copy2(item, out / item.name)
+    _copy_tokenizer(source, out, chat_template=True)
     smollm2 = json.loads((source / "config.json").read_text())
     torch.manual_seed(0)
     config = LlamaConfig(
