@@ -46,6 +46,11 @@ class StoredChunk(Protocol):
     @property
     def num_layers(self) -> int: ...
     @property
+    def nbytes(self) -> int:
+        """Bytes of its rows and scores as its tier holds them (what a hit is counted as)."""
+        ...
+
+    @property
     def in_memory(self) -> bool:
         """False when `rows` reads from a slower tier (worth loading ahead of the compute)."""
         ...

@@ -12,13 +12,18 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
-from sglang_hicache_ext.sglang_ext import radix_cache, scheduler_control
+from sglang_hicache_ext.sglang_ext import assembly, radix_cache, scheduler_control
 from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, SettingsError
 from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 from sglang_hicache_ext.sglang_ext.cpu import compat as cpu_compat
 from sglang_hicache_ext.sglang_ext.cpu import position_attention as attention_backend
-from sglang_hicache_ext.sglang_ext.server import http_routes, preflight, shadow_check_hooks
+from sglang_hicache_ext.sglang_ext.server import (
+    generate_hooks,
+    http_routes,
+    preflight,
+    shadow_check_hooks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +43,7 @@ def register() -> None:
 
     settings = _settings_for_registration()
     if get_radix_cache_factory(radix_cache.BACKEND_NAME) is None:
-        register_radix_cache_backend(radix_cache.BACKEND_NAME, radix_cache.build_tree_cache)
+        register_radix_cache_backend(radix_cache.BACKEND_NAME, assembly.build_tree_cache)
     attention_backend.register()
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
@@ -87,7 +92,7 @@ def register() -> None:
         http_routes.register_routes()
         HookRegistry.register(
             "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request",
-            fused_prefill.validate_request,
+            generate_hooks.validate_request,
             HookType.BEFORE,
         )
         HookRegistry.register(
@@ -102,7 +107,7 @@ def register() -> None:
         )
         HookRegistry.register(
             "sglang.srt.managers.tokenizer_manager.TokenizerManager.collect_metrics",
-            fused_prefill.observe_fused_ttft,
+            generate_hooks.observe_fused_ttft,
             HookType.AROUND,
         )
         HookRegistry.register(

@@ -3,7 +3,7 @@
 The HTTP process's routes (`server/control_routes.py: control`) send SGLang's dumper-control
 request with a `hicache_ext.` method; this AROUND hook on `Scheduler.handle_dumper_control`
 answers it from the scheduler's state: the chunk registry's listings, descriptions, deletions
-and placement (`chunk_control`), the TTL disk tier's status and TTL overrides, and the shadow
+and placement (`chunk_listing.chunk_control`), the TTL disk tier's status and TTL overrides, and the shadow
 checks' results for the live fidelity window. Every other method is SGLang's own.
 """
 
@@ -12,11 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion import fused_prefill
-from sglang_hicache_ext.sglang_ext.chunk_fusion.live_fidelity import (
-    RECORD_METHOD as FIDELITY_RECORD,
-)
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import CONTROL_PREFIX, ChunkRegistry
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_listing import chunk_control
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import CONTROL_PREFIX
+from sglang_hicache_ext.sglang_ext.chunk_fusion.service import service_of
+from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import FIDELITY_RECORD_METHOD
 
 logger = logging.getLogger(__name__)
 
@@ -29,23 +28,21 @@ def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:
 
     if str(recv_req.method).startswith(STORAGE_CONTROL_PREFIX):
         return _handle_storage_control(scheduler, recv_req)
-    if str(recv_req.method) == CONTROL_PREFIX + FIDELITY_RECORD:
+    if str(recv_req.method) == CONTROL_PREFIX + FIDELITY_RECORD_METHOD:
         return _handle_fidelity_record(scheduler, recv_req)
-    chunks = getattr(scheduler.tree_cache, "chunks", None)
+    fusion = service_of(scheduler.tree_cache)
     try:
-        if chunks is None:
+        if fusion is None:
             reason = getattr(
                 scheduler.tree_cache,
-                "chunks_unavailable",
+                "fusion_unavailable",
                 "--radix-cache-backend hicache_ext is not in use",
             )
             raise RuntimeError(f"chunk registry unavailable: {reason}")
-        auto_capture = getattr(scheduler.tree_cache, "auto_capture", None)
-        if auto_capture is not None:  # listings and deletions see every piece kept so far
-            auto_capture.settle(wait=True)
-        output = DumperControlReqOutput(
-            success=True, response=chunk_control(chunks, recv_req.method, dict(recv_req.body))
-        )
+        if fusion.auto_capture is not None:  # listings and deletions see every piece kept so far
+            fusion.auto_capture.settle(wait=True)
+        response = chunk_control(fusion.registry, recv_req.method, dict(recv_req.body))
+        output = DumperControlReqOutput(success=True, response=response)
     except (RuntimeError, ValueError) as err:
         output = DumperControlReqOutput(success=False, response=[], error=str(err))
     scheduler.ipc_channels.send_to_tokenizer.send_output(output, recv_req)
@@ -55,37 +52,16 @@ def handle_control(original: Any, scheduler: Any, recv_req: Any) -> Any:
 STORAGE_CONTROL_PREFIX = CONTROL_PREFIX + "storage."
 
 
-def chunk_control(
-    registry: ChunkRegistry, method: str, body: dict[str, Any]
-) -> list[dict[str, Any]]:
-    """`hicache_ext.*` chunk methods of the HTTP routes (`/chunks`, placement) on the registry."""
-    name = method[len(CONTROL_PREFIX) :]
-    if name == "list_chunks":
-        return [{"chunks": registry.list(), "stats": registry.stats()}]
-    if name == "describe_chunk":
-        info = registry.describe(str(body.get("id", "")))
-        if info is not None and "probe_layer" in body:
-            info["key_probe"] = registry.key_probe(
-                str(body["id"]), int(body["probe_layer"]), int(body["probe_token"])
-            )
-        return [{"chunk": info}]
-    if name.startswith("placement."):
-        return [registry.placement.handle(name[len("placement.") :], body)]
-    if name == "delete_chunk":
-        return [{"deleted": registry.delete(str(body.get("id", "")))}]
-    raise ValueError(f"unknown hicache_ext control method {method!r}")
-
-
 def _handle_fidelity_record(scheduler: Any, recv_req: Any) -> None:
     """`hicache_ext.fidelity.record`: one shadow check's result for the live window and the
-    agreement target (`chunk_fusion/live_fidelity.py`)."""
+    agreement target (`tuning/ratio/live_fidelity.py`)."""
     from sglang.srt.managers.io_struct import DumperControlReqOutput
 
-    runtime = fused_prefill.runtime()
+    fusion = service_of(scheduler.tree_cache)
     try:
-        if runtime is None:
+        if fusion is None:
             raise RuntimeError("fusion is not in use on this server")
-        response = [runtime.fidelity.record(dict(recv_req.body))]
+        response = [fusion.fidelity.record(dict(recv_req.body))]
         output = DumperControlReqOutput(success=True, response=response)
     except (RuntimeError, ValueError) as err:
         output = DumperControlReqOutput(success=False, response=[], error=str(err))

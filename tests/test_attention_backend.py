@@ -12,10 +12,14 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 
 
 def _backends():
-    # The SDPA loops use no instance state, so the real classes run without a ModelRunner.
+    # The SDPA loops use no instance state but the kept rows of decode-time eviction (none
+    # here), so the real classes run without a ModelRunner.
+    from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KeptRowsTable
+
     native = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
     position_cls = _make_backend_class()
     position = position_cls.__new__(position_cls)
+    position.kept_rows = KeptRowsTable()
     return native, position
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.rope import RopeSpec
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_listing import describe_chunk, list_chunks
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import MooncakeMaster, running_master
 from sglang_hicache_ext.tiers.chunks.chunk_tiers import MOONCAKE, ChunkSummary, ChunkTiers
@@ -143,14 +144,14 @@ def test_registry_of_a_second_server_discovers_and_uses_a_chunk(master: Mooncake
     chunk = make_chunk(7, tokens=64)
     assert first.add(chunk)
     key = chunk.content_hash
-    assert second.list() == []
-    info = second.describe(key)  # what POST /chunks of the same tokens asks first
+    assert list_chunks(second) == []
+    info = describe_chunk(second, key)  # what POST /chunks of the same tokens asks first
     assert info is not None and (info["tier"], info["tiers"]) == (MOONCAKE, [MOONCAKE])
     assert key in second.index and second.stats()["mooncake"]["discovered"] == 1
     held = second.pin(key)
     assert held is not None and held.tier == MOONCAKE and _same(held.chunk, chunk)
     second.unpin(key)
-    assert second.describe(key)["tiers"] == ["host", MOONCAKE]
+    assert describe_chunk(second, key)["tiers"] == ["host", MOONCAKE]
     assert second.stats()["hits_by_tier"] == {"host": 0, MOONCAKE: 1, "miss": 0}
 
 

@@ -13,6 +13,7 @@ import torch
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.request import ChunkSegment
 from sglang_hicache_ext.fusion.rope import RopeSpec
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_listing import describe_chunk, list_chunks
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chunk_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
@@ -177,7 +178,7 @@ def test_registry_finds_its_chunks_after_a_restart(tmp_path: Path) -> None:
 
     restarted = ChunkRegistry(10 * CHUNK_BYTES, ROPE, disk=ChunkDiskTier(tmp_path, 10**8))
     assert restarted.restored == 3 and len(restarted.index) == 3
-    listing = {info["id"]: info for info in restarted.list()}
+    listing = {info["id"]: info for info in list_chunks(restarted)}
     assert {info["tier"] for info in listing.values()} == {"disk"}
     assert listing[chunks[1].content_hash]["nbytes"] == chunks[1].nbytes
     after = pinned_chunk_segments(restarted, prompt)
@@ -204,7 +205,7 @@ def test_registry_finds_its_chunks_after_a_restart(tmp_path: Path) -> None:
     stats = restarted.stats()
     assert stats["hits_by_tier"] == {"host": 0, "disk": 2, "miss": 0}
     assert stats["restored_from_disk"] == 3 and stats["promotions"] == 2
-    assert restarted.describe(chunks[2].content_hash)["tiers"] == ["host", "disk"]
+    assert describe_chunk(restarted, chunks[2].content_hash)["tiers"] == ["host", "disk"]
     assert (
         restarted.delete(chunks[2].content_hash) and chunks[2].content_hash not in restarted.index
     )
@@ -221,7 +222,8 @@ def test_registry_forgets_chunks_no_tier_holds(
     monkeypatch.undo()
     assert registry.add(second)  # evicts `first`, which no tier holds then
     assert (
-        first.content_hash not in registry.index and registry.describe(first.content_hash) is None
+        first.content_hash not in registry.index
+        and describe_chunk(registry, first.content_hash) is None
     )
     assert registry.stats()["lost"] == 1 and registry.stats()["disk"]["write_errors"] == 1
 

@@ -12,6 +12,7 @@ import torch
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.rope import RopeSpec
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_listing import describe_chunk, list_chunks
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
     ChunkRegistry,
     HostChunk,
@@ -152,11 +153,11 @@ def test_compressed_chunks_are_found_with_their_codec_after_a_restart(tmp_path: 
     }
     for spec, chunk in chunks.items():
         assert first.add(chunk, spec)
-    listed = {c["id"]: c["codec"] for c in first.list()}
+    listed = {c["id"]: c["codec"] for c in list_chunks(first)}
     assert listed == {chunk.content_hash: spec for spec, chunk in chunks.items()}
     again = ChunkRegistry(1 << 30, rope, disk=ChunkDiskTier(tmp_path, 10**8))
     assert again.restored == 3
-    assert {c["id"]: (c["codec"], c["tier"]) for c in again.list()} == {
+    assert {c["id"]: (c["codec"], c["tier"]) for c in list_chunks(again)} == {
         chunk.content_hash: (spec, "disk") for spec, chunk in chunks.items()
     }
     for spec, chunk in chunks.items():
@@ -204,7 +205,7 @@ def test_a_compressed_chunk_in_the_shared_tier_is_found_and_read_by_another_serv
         reader = ChunkRegistry(1 << 30, rope, remote=ChunkRemoteTier(clients[1], "m"))
         chunk = make_chunk(8, tokens=128)
         assert writer.add(chunk, "int4")
-        info = reader.describe(chunk.content_hash)
+        info = describe_chunk(reader, chunk.content_hash)
         assert info is not None and info["codec"] == "int4" and info["tier"] == "mooncake"
         pinned = reader.pin(chunk.content_hash)
         expected = PrecomputedChunk(*through_codec(chunk, stored_codec("int4")))

@@ -195,7 +195,7 @@ def test_a_mixed_batch_decodes_evicted_requests_over_their_kept_rows_only() -> N
     from types import SimpleNamespace
 
     from sglang_hicache_ext.fusion.attention import gather_attend
-    from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS, KeptRows
+    from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KeptRows, KeptRowsTable
     from sglang_hicache_ext.sglang_ext.cpu.position_attention import _attend_new_queries
 
     generator = torch.Generator().manual_seed(3)
@@ -203,37 +203,38 @@ def test_a_mixed_batch_decodes_evicted_requests_over_their_kept_rows_only() -> N
     req_to_token = torch.zeros(4, 40, dtype=torch.int32)
     req_to_token[1, :25] = torch.arange(1, 26)
     req_to_token[2, :30] = torch.arange(30, 60)
+    kept_rows = KeptRowsTable()
     backend = SimpleNamespace(
-        req_to_token_pool=SimpleNamespace(req_generation=torch.tensor([0, 5, 9, 0])), _layer=0
+        req_to_token_pool=SimpleNamespace(req_generation=torch.tensor([0, 5, 9, 0])),
+        _layer=0,
+        kept_rows=kept_rows,
     )
     kept = KeptRows(5, 20, 0, torch.tensor([[[0, 2, 5, 9], [1, 2, 3, 19]]]))
-    KEPT_ROWS.put(1, kept, backend.req_to_token_pool.req_generation)
-    try:
-        expected_kept = KeptRows(5, 20, 0, kept.positions.clone())
-        query = torch.randn(4, 4, 8, generator=generator)  # 1 decode query + 3 prefill queries
-        call = {
-            "query": query,
-            "output": torch.empty_like(query),
-            "req_to_token": req_to_token,
-            "k_cache": k_cache,
-            "v_cache": v_cache,
-            "scaling": 0.3,
-            "req_pool_indices": torch.tensor([1, 2]),
-            "seq_lens": torch.tensor([25, 30]),
-        }
-        prefill = gather_attend(
-            query[1:], k_cache, v_cache, req_to_token[2, :30], torch.arange(27, 30), 0.3
-        )
-        out = _attend_new_queries(call, backend, [24, 27], [1, 3])
-        assert torch.allclose(out[1:], prefill, atol=1e-6)
-        k_copy, v_copy = k_cache.clone(), v_cache.clone()  # already compacted by the call above
-        expected_kept.compacted.add(0)
-        decode = expected_kept.attend(0, query[:1], k_copy, v_copy, req_to_token[1], 25, 0.3)
-        assert torch.allclose(out[:1], decode, atol=1e-6)
-        with pytest.raises(RuntimeError, match="one token per step"):
-            _attend_new_queries(
-                {**call, "output": torch.empty_like(query)}, backend, [23, 28], [2, 2]
-            )
-    finally:
-        KEPT_ROWS.put(1, KeptRows(-1, 0, 0, kept.positions), torch.tensor([0, 7, 0, 0]))
-        assert KEPT_ROWS.get(1, 7) is None and len(KEPT_ROWS) == 0
+    kept_rows.put(1, kept, backend.req_to_token_pool.req_generation)
+    expected_kept = KeptRows(5, 20, 0, kept.positions.clone())
+    query = torch.randn(4, 4, 8, generator=generator)  # 1 decode query + 3 prefill queries
+    call = {
+        "query": query,
+        "output": torch.empty_like(query),
+        "req_to_token": req_to_token,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "scaling": 0.3,
+        "req_pool_indices": torch.tensor([1, 2]),
+        "seq_lens": torch.tensor([25, 30]),
+    }
+    prefill = gather_attend(
+        query[1:], k_cache, v_cache, req_to_token[2, :30], torch.arange(27, 30), 0.3
+    )
+    out = _attend_new_queries(call, backend, [24, 27], [1, 3])
+    assert torch.allclose(out[1:], prefill, atol=1e-6)
+    k_copy, v_copy = k_cache.clone(), v_cache.clone()  # already compacted by the call above
+    expected_kept.compacted.add(0)
+    decode = expected_kept.attend(0, query[:1], k_copy, v_copy, req_to_token[1], 25, 0.3)
+    assert torch.allclose(out[:1], decode, atol=1e-6)
+    with pytest.raises(RuntimeError, match="one token per step"):
+        _attend_new_queries({**call, "output": torch.empty_like(query)}, backend, [23, 28], [2, 2])
+    assert kept_rows.decode_steps == 1
+    # The row reallocated (generation 7): its stale kept set is never applied.
+    kept_rows.put(1, KeptRows(-1, 0, 0, kept.positions), torch.tensor([0, 7, 0, 0]))
+    assert kept_rows.get(1, 7) is None and len(kept_rows) == 0

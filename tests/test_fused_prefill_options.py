@@ -143,7 +143,7 @@ def test_a_ratio_table_under_home_is_read_as_the_launch_check_reads_it(
 ) -> None:
     """`fusion_ratio_table = "~/..."` passes the launch check (which expands `~`); the scheduler
     reads the same file, rather than failing every "auto" request with `ratio_not_tuned`."""
-    from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime
+    from sglang_hicache_ext.sglang_ext.chunk_fusion.service import FusionService
     from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -153,7 +153,7 @@ def test_a_ratio_table_under_home_is_read_as_the_launch_check_reads_it(
         _ratio_table=None,
         settings=DEFAULTS.model_copy(update={"fusion_ratio_table": "~/ratios.json"}),
     )
-    assert FusionRuntime.ratio_table(runtime).tiers["host"].ratio == 0.2  # type: ignore[arg-type]
+    assert FusionService.ratio_table(runtime).tiers["host"].ratio == 0.2  # type: ignore[arg-type]
 
 
 def test_auto_ratio_setting_with_or_without_a_table() -> None:

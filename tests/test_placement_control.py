@@ -12,6 +12,7 @@ import torch
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.sglang_ext.chunk_fusion import placement_control
+from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_listing import chunk_control, list_chunks
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
     pin_request_chunks,
     pinned_chunk_segments,
@@ -24,7 +25,6 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import (
     probing_placement,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.sglang_ext.scheduler_control import chunk_control
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.stored_forms import StoredBlob, stored_codec, through_codec
 from tests.test_chunk_disk import make_chunk
@@ -123,7 +123,7 @@ def test_applied_forms_change_host_memory_and_keep_the_disk_rows(tmp_path: Path)
         registry, "hicache_ext.placement.apply", {"forms": {a: "int8", b: None, c: "none"}}
     )[0]
     assert applied["outcomes"] == {"changed": 1, "dropped": 1, "kept": 1}
-    listing = {info["id"]: info for info in registry.list()}
+    listing = {info["id"]: info for info in list_chunks(registry)}
     assert (listing[a]["tier"], listing[a]["codec"], listing[a]["registered_codec"]) == (
         "host",
         "int8",

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_prefill import validate_request
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
     REGISTER_PARAM,
     registering_chunk,
@@ -20,6 +19,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import parse_options
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.scheduler_control import _apply_ttl_request
+from sglang_hicache_ext.sglang_ext.server.generate_hooks import validate_request
 from sglang_hicache_ext.sglang_ext.server.request_limits import (
     RateLimiter,
     RequestRefused,

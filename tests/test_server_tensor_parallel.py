@@ -235,7 +235,7 @@ def test_parallelisms_fusion_cannot_run_are_refused_by_name(
 ) -> None:
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_hicache_ext.sglang_ext.radix_cache import _unsupported_parallelism
+    from sglang_hicache_ext.sglang_ext.assembly import _unsupported_parallelism
 
     # The fields SGLang's ServerArgs has (a rename would make the check pass silently).
     defaults = {"tp_size": 1, "pp_size": 1, "enable_dp_attention": False, "ep_size": 1}

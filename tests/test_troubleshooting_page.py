@@ -6,7 +6,8 @@ through one of these sinks, and the collector reads every one of them:
 
 - an assignment to `fallback` or `<anything>.fallback` (`plan.fallback = "no_chunk_matched"`),
 - a `fallback=` keyword of any call, and a `"fallback"` key of a dict literal,
-- the reason argument of `fall_back(rt, plans, reason)` and `metrics.fusion_fallback(reason)`,
+- the reason argument of `fall_back(rt, plans, reason)`, `metrics.fusion_fallback(reason)` and
+  `service.fallback(reason)`,
 - a counter key spelled `"fallback_<reason>"`,
 - a `return` of a function whose name holds "fallback" (`_static_fallback_reason`,
   `ModelCheck.fallback`).
@@ -30,7 +31,11 @@ PAGE = REPO / "docs" / "troubleshooting.md"
 README = REPO / "README.md"
 
 # Calls whose argument is a reason: (position among the call's arguments, parameter name).
-REASON_CALLS = {"fall_back": (2, "reason"), "fusion_fallback": (0, "reason")}
+REASON_CALLS = {
+    "fall_back": (2, "reason"),
+    "fusion_fallback": (0, "reason"),
+    "fallback": (0, "reason"),  # FusionService.fallback (a method: `service.fallback(...)`)
+}
 COUNTER_PREFIX = "fallback_"
 
 
@@ -110,7 +115,9 @@ class _Collector(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         name = _name(node.func)
-        if name in REASON_CALLS:
+        # A plain `fallback(...)` is another thing (fault_guard's default of a failed call).
+        method_only = name == "fallback" and not isinstance(node.func, ast.Attribute)
+        if name in REASON_CALLS and not method_only:
             position, keyword = REASON_CALLS[name]
             given = [kw.value for kw in node.keywords if kw.arg == keyword]
             if len(node.args) > position:

@@ -51,7 +51,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import gather_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +158,10 @@ class AutoCapture:
         clock: Any = time.monotonic,
         background: bool = True,
         tp: TensorParallel | None = None,
+        metrics: ExtensionMetrics | None = None,
     ) -> None:
         self.registry = registry
+        self.metrics = metrics
         # Under --tp-size N each rank keeps its shard of the same pieces: the ranks' choices
         # (their clocks for the cap) are compared before anything is kept.
         self._tp = tp or TensorParallel()
@@ -191,6 +193,7 @@ class AutoCapture:
         registry: ChunkRegistry,
         breaks: frozenset[int],
         tp: TensorParallel | None = None,
+        metrics: ExtensionMetrics | None = None,
     ) -> AutoCapture:
         rule = SegmentRule(
             settings.auto_chunk_min_tokens,
@@ -214,6 +217,7 @@ class AutoCapture:
             # store them (and change what admission matches) at a time of each rank's own.
             background=tp.size == 1,
             tp=tp,
+            metrics=metrics,
         )
 
     def capture(
@@ -361,9 +365,8 @@ class AutoCapture:
                 self.counts[outcome],
                 self.per_minute,
             )
-        metrics = extension_metrics()
-        if metrics is not None:
-            metrics.auto_chunk(outcome, num_tokens)
+        if self.metrics is not None:
+            self.metrics.auto_chunk(outcome, num_tokens)
 
     def stats(self) -> dict[str, Any]:
         self.settle(wait=True)

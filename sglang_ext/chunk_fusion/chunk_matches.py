@@ -17,7 +17,6 @@ from sglang_hicache_ext.fusion.request import ChunkSegment, Segment, TextSegment
 from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import document_set
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tiers.chunks.chunk_tiers import HOST
 
 
@@ -53,7 +52,7 @@ def pinned_chunk_segments(
     tokens_by_tier: Counter[str] = Counter()
     cursor = 0
     fetched = WholeFetches()
-    metrics = extension_metrics() if probe_form is None else None  # probes are not traffic
+    metrics = registry.metrics if probe_form is None else None  # probes are not traffic
     matches = registry.find(tokens)
     # A probe measures the stored rows through a codec: never a variant.
     variants = registry.context_variants if probe_form is None else None

@@ -23,14 +23,14 @@ costs only what it gained. A chunk the registry forgets drops its variants.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import cachetools
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.radix.chunk_index import ChunkMatch
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
 
 # The chunks a prompt matched, in no order. Not the prompt's start: the tokens before its first
 # match hold the first document's leading tokens wherever the tokenizer merges them with the
@@ -49,31 +49,31 @@ class _VariantRows(cachetools.LRUCache[_Key, PrecomputedChunk]):
     """The variants' rows, LRU within `capacity_bytes` of their `nbytes`; each eviction (the
     `popitem` cachetools calls while an insert does not fit) is counted in `counts`."""
 
-    def __init__(self, capacity_bytes: int, counts: dict[str, int]) -> None:
+    def __init__(self, capacity_bytes: int, on_evict: Callable[[], None]) -> None:
         super().__init__(capacity_bytes, getsizeof=lambda chunk: chunk.nbytes)
-        self._counts = counts
+        self._on_evict = on_evict
 
     def popitem(self) -> tuple[_Key, PrecomputedChunk]:
         evicted = super().popitem()
-        self._counts["evicted"] += 1
-        ContextVariants._metric("evicted")
+        self._on_evict()
         return evicted
 
 
 class ContextVariants:
     """Per scheduler process: (document set, chunk span) -> the span's rows in that set, LRU."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, metrics: ExtensionMetrics | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.metrics = metrics
         self.counts = dict.fromkeys(
             ("kept", "replaced", "evicted", "too_large", "used", "failed"), 0
         )
-        self._rows = _VariantRows(capacity_bytes, self.counts)
+        self._rows = _VariantRows(capacity_bytes, self._evicted)
 
     @property
     def bytes_used(self) -> int:
         """Bytes of the rows kept (at most `capacity_bytes`)."""
-        return self._rows.currsize
+        return int(self._rows.currsize)
 
     def get(self, documents: DocumentSet, match: ChunkMatch) -> PrecomputedChunk | None:
         """The matched span's rows computed in a prompt of exactly `documents`, else None."""
@@ -128,7 +128,10 @@ class ContextVariants:
         self.counts["failed"] += 1
         self._metric("failed")
 
-    @staticmethod
-    def _metric(outcome: str) -> None:
-        if (metrics := extension_metrics()) is not None:
-            metrics.context_variant(outcome)
+    def _evicted(self) -> None:
+        self.counts["evicted"] += 1
+        self._metric("evicted")
+
+    def _metric(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.context_variant(outcome)

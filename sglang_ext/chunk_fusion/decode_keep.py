@@ -74,7 +74,8 @@ class KeptRows:
 
 
 class KeptRowsTable:
-    """Kept sets by request-pool row, valid for the row's generation."""
+    """Kept sets by request-pool row, valid for the row's generation: one per `torch_position`
+    attention backend (one per model runner), whose decode reads them."""
 
     def __init__(self) -> None:
         self._rows: dict[int, KeptRows] = {}
@@ -99,10 +100,6 @@ class KeptRowsTable:
         return kept
 
 
-# One per scheduler process: the fused forward writes it, the attention backend reads it.
-KEPT_ROWS = KeptRowsTable()
-
-
 def keep_for_decode(
     runner: Any,
     req: Any,
@@ -124,7 +121,7 @@ def keep_for_decode(
     )
     generations = runner.req_to_token_pool.req_generation
     kept = KeptRows(int(generations[row]), result.num_tokens, result.prefix_tokens, positions)
-    KEPT_ROWS.put(row, kept, generations)
+    runner.attn_backend.kept_rows.put(row, kept, generations)
     used = torch.zeros(result.num_tokens, dtype=torch.bool)
     used[positions.flatten().cpu()] = True
     return {

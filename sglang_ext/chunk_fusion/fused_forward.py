@@ -18,22 +18,22 @@ import torch
 
 from sglang_hicache_ext.fusion.decode_eviction import DEFAULT_WINDOW
 from sglang_hicache_ext.fusion.executor import FusionJob, FusionResult, fused_prefill_batch
+from sglang_hicache_ext.fusion.fused_rows import FusedRows, RoundRows
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment
 from sglang_hicache_ext.fusion.request_state import KVCache
 from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.decoder import SGLangDecoderAdapter
 from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import keep_for_decode
-from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows, RoundRows
-from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import FusionRuntime, RequestPlan
+from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import RequestPlan
 from sglang_hicache_ext.sglang_ext.chunk_fusion.rank_agreement import check_selections
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY
+from sglang_hicache_ext.sglang_ext.chunk_fusion.service import FusionService
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 
 logger = logging.getLogger(__name__)
 
 
 def run_fused_batch(
-    rt: FusionRuntime,
+    rt: FusionService,
     adapter: SGLangDecoderAdapter,
     runner: Any,
     forward_batch: Any,
@@ -57,7 +57,7 @@ def run_fused_batch(
         capacity = plan.options.decode_capacity if plan.options is not None else None
         if capacity is not None:
             row = int(forward_batch.req_pool_indices[index])
-            kept = keep_for_decode(runner, plan.req, row, plan.segments, result, capacity)
+            kept = keep_for_decode(runner, plan.request, row, plan.segments, result, capacity)
             plan.continuation.info.update(kept)
             applied = "decode_kept_tokens" in kept
             rt.counters["decode_evictions" if applied else "decode_eviction_unsupported"] += 1
@@ -101,12 +101,12 @@ def run_fused_batch(
         if rows.rounds > 1:
             rt.counters["fused_continuation_rounds"] += 1
         if rows.done:
-            rt.pending.pop(plan.req, None)
+            rt.pending.pop(plan.request, None)
             if rt.auto_capture is not None and plan.probe_form is None:
                 _capture_pieces(rt, runner, forward_batch, index, plan)
         else:
             rows.keep_on_host()
-            rt.pending[plan.req] = rows
+            rt.pending[plan.request] = rows
         infos.append({**rows.info, "prefill_rounds": rows.rounds})
         offset += plan.extend_len
     model = runner.model
@@ -134,7 +134,7 @@ def model_check_prompts(
 def _job(
     adapter: SGLangDecoderAdapter, runner: Any, forward_batch: Any, index: int, plan: RequestPlan
 ) -> FusionJob:
-    req = plan.req
+    req = plan.request
     num_tokens = len(req.origin_input_ids)
     # The positions whose logits SGLang reads: the last token, and with input logprobs every
     # token from the logprob start on (the tree match never reaches past that start).
@@ -230,7 +230,7 @@ def _rows_of(adapter: SGLangDecoderAdapter, plan: RequestPlan, result: FusionRes
         }
     # The logits processor expects the model's output: final-normed hidden states.
     hidden = adapter.final_norm(result.hidden)
-    plan.req.skip_radix_cache_insert = True  # fused KV never enters the prefix tree
+    plan.request.skip_radix_cache_insert = True  # fused KV never enters the prefix tree
     return FusedRows(
         start=prefix_len,
         end=result.num_tokens,
@@ -243,12 +243,12 @@ def _rows_of(adapter: SGLangDecoderAdapter, plan: RequestPlan, result: FusionRes
 
 
 def _capture_pieces(
-    rt: FusionRuntime, runner: Any, forward_batch: Any, index: int, plan: RequestPlan
+    rt: FusionService, runner: Any, forward_batch: Any, index: int, plan: RequestPlan
 ) -> None:
     """auto_chunks: every row of the prompt is in the pool now; the pieces computed whole
     (no reused chunk in them) are kept."""
     assert rt.auto_capture is not None
-    tokens = plan.req.origin_input_ids
+    tokens = plan.request.origin_input_ids
     row = forward_batch.req_pool_indices[index]
     slots = runner.req_to_token_pool.req_to_token[row, : len(tokens)]
     rt.auto_capture.capture(plan.rid, tokens, runner.token_to_kv_pool, slots, fused=True)
@@ -262,7 +262,7 @@ def _write(kv_pool: Any, adapter: SGLangDecoderAdapter, loc: torch.Tensor, rows:
 
 
 def _count_fused(
-    rt: FusionRuntime, plan: RequestPlan, info: dict[str, Any], seconds: float
+    rt: FusionService, plan: RequestPlan, info: dict[str, Any], seconds: float
 ) -> None:
     rt.counters["fused_requests"] += 1
     rt.counters["tokens_reused"] += info["tokens_reused"]
@@ -270,9 +270,9 @@ def _count_fused(
     if plan.probe_form is None:
         # Prompt tokens the server did not compute: the response's cached_tokens (OpenAI's
         # usage.prompt_tokens_details) counts reused chunk rows beside the prefix-cache hit.
-        plan.req.cached_tokens += info["tokens_reused"]
+        plan.request.cached_tokens += info["tokens_reused"]
     rt.counters["prefix_tokens_reused"] += info["prefix_tokens"]
-    metrics = extension_metrics()
+    metrics = rt.metrics
     if metrics is not None and plan.options is not None:
         options = plan.options
         metrics.fused_request(
@@ -284,14 +284,14 @@ def _count_fused(
         )
 
 
-def _profile(rt: FusionRuntime, results: list[FusionResult], seconds: float) -> None:
+def _profile(rt: FusionService, results: list[FusionResult], seconds: float) -> None:
     """What "auto" learns of the compute: seconds per computed token-layer (the time the
     compute waited for rows excluded)."""
     waited = sum(result.load_wait_s for result in results)
     rt.self_tuned.record_compute(seconds - waited, sum(sum(r.computed_tokens) for r in results))
 
 
-def _profile_load(rt: FusionRuntime, plan: RequestPlan, num_layers: int) -> None:
+def _profile_load(rt: FusionService, plan: RequestPlan, num_layers: int) -> None:
     """What "auto" learns of a lower tier: seconds per token-layer of the rows it read."""
     assert plan.continuation is not None
     load = plan.continuation.info.get("load")

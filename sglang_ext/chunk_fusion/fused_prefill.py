@@ -26,117 +26,55 @@ for fusion and gets the normal prefill is logged, counted and reported in its re
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
-from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_forward import (
     model_check_prompts,
     run_fused_batch,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import check_probe_params
 from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import (
-    FusionRuntime,
     count_fallbacks,
     fall_back,
-    options_of,
     plan_batch,
     plan_mixed_batch,
+    will_fuse,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.rank_agreement import (
     RANKS_DISAGREE,
     RanksDisagreeError,
     plans_agree,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import (
-    REGISTER_PARAM,
-    registering_chunk,
-    registration_id,
-)
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY, parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import META_KEY
+from sglang_hicache_ext.sglang_ext.chunk_fusion.service import FusionService, service_of
 from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import (
-    SHADOW_PARAM,
     bar_from_tree,
-    check_shadow_params,
     in_small_rounds,
     keep_shadow_check_rows,
     shadow_of,
     users_first,
 )
-from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
-from sglang_hicache_ext.sglang_ext.metrics.http_process_metrics import FusedTtftMetrics
+from sglang_hicache_ext.sglang_ext.sglang_types import (
+    ExtendBatch,
+    ModelRunnerLike,
+    PrefillAdderLike,
+    ScheduledRequest,
+    SchedulerLike,
+)
 from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 
 logger = logging.getLogger(__name__)
 
-_runtime: FusionRuntime | None = None
-
-
-def install_runtime(
-    registry: ChunkRegistry | None,
-    settings: ExtensionSettings,
-    model_name: str = "",
-    auto_capture: AutoCapture | None = None,
-    tp: TensorParallel | None = None,
-) -> None:
-    global _runtime
-    _runtime = FusionRuntime(registry, settings, model_name, tp) if registry is not None else None
-    if _runtime is not None:
-        _runtime.auto_capture = auto_capture
-
-
-def runtime() -> FusionRuntime | None:
-    return _runtime
-
-
-def asks_for_fusion(req: Any) -> bool:
-    """The request asked for fusion (its `custom_params.fusion`, or `fusion_by_default`)."""
-    if _runtime is None or registration_id(req) is not None:
-        return False
-    options = options_of(_runtime, req, count=False)
-    return options is not None and options.enabled
-
-
 # ---- hooks ------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4)
-def _settings_for(extra_config: str | None) -> ExtensionSettings:
-    # Read once per server: the file was validated at launch and does not change while serving.
-    return load_settings(extra_config)
-
-
-def validate_request(tokenizer_manager: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE hook on TokenizerManager.generate_request (launching process): 400 on bad options,
-    and on the internal registration key unless `POST /chunks` itself sent the request."""
-    params = getattr(obj, "sampling_params", None)
-    batch = params if isinstance(params, list) else [params]
-    settings = _settings_for(tokenizer_manager.server_args.hicache_storage_backend_extra_config)
-    for sampling in batch:
-        if isinstance(sampling, dict):
-            custom = sampling.get("custom_params")
-            if (
-                isinstance(custom, dict)
-                and REGISTER_PARAM in custom
-                and not registering_chunk.get()
-            ):
-                raise ValueError(
-                    f"custom_params.{REGISTER_PARAM} is internal; register chunks with POST /chunks"
-                )
-            check_probe_params(custom)
-            check_shadow_params(custom)
-            parse_options(custom, settings)
-
-
-def remember_request(req: Any, *args: Any, **kwargs: Any) -> Any:
+def remember_request(
+    req: ScheduledRequest, scheduler: SchedulerLike, *args: Any, **kwargs: Any
+) -> ScheduledRequest:
     """AFTER hook on Scheduler._create_generation_req: the forward hook finds requests by rid;
     a shadow check's request is barred from the prefix tree."""
-    if _runtime is not None:
-        _runtime.requests[req.rid] = req
+    if (service := service_of(scheduler.tree_cache)) is not None:
+        service.requests[req.rid] = req
     bar_from_tree(req)
     return req
 
@@ -151,7 +89,9 @@ def shadow_checks_last(
     return result
 
 
-def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def keep_batches_homogeneous(
+    original: Any, adder: PrefillAdderLike, req: ScheduledRequest, *args: Any, **kwargs: Any
+) -> Any:
     """AROUND hook on PrefillAdder.add_one_req: requests that will be fused and requests that
     will not go to separate prefill batches (the first request of a batch sets its kind).
 
@@ -160,7 +100,7 @@ def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **
     rounds counts as fused in its later rounds (it leads those batches as SGLang's chunked
     request), so only fused requests join it.
     """
-    rt = _runtime
+    rt = service_of(adder.tree_cache)
     if shadow_of(req) is not None:
         if adder.can_run_list:  # a shadow check runs alone
             from sglang.srt.managers.schedule_policy import AddReqResult
@@ -178,11 +118,11 @@ def keep_batches_homogeneous(original: Any, adder: Any, req: Any, *args: Any, **
     return original(adder, req, *args, **kwargs)
 
 
-def _fused_alike(rt: FusionRuntime, req: Any, first: Any) -> bool:
+def _fused_alike(rt: FusionService, req: ScheduledRequest, first: ScheduledRequest) -> bool:
     """Whether admission guesses `req` and `first` alike (both fused or neither). Under TP every
     rank must batch alike: a guess one rank makes otherwise (a chunk it lost to a fault) keeps
     the request for the next batch on every rank, where it leads."""
-    fuse_req, fuse_first = rt.will_fuse(req), rt.will_fuse(first)
+    fuse_req, fuse_first = will_fuse(rt, req), will_fuse(rt, first)
     if rt.tp.size > 1 and not rt.tp.agree(f"{req.rid}:{fuse_req},{first.rid}:{fuse_first}"):
         return False
     return fuse_req == fuse_first
@@ -206,10 +146,10 @@ def continue_shadow_check(original: Any, adder: Any, req: Any, *args: Any, **kwa
 
 
 def forward_with_fusion(
-    original: Any, runner: Any, forward_batch: Any, *args: Any, **kwargs: Any
+    original: Any, runner: ModelRunnerLike, forward_batch: ExtendBatch, *args: Any, **kwargs: Any
 ) -> Any:
     """AROUND hook on ModelRunner._forward_raw."""
-    rt = _runtime
+    rt = service_of(runner)
     if rt is not None and rt.auto_capture is not None:
         rt.auto_capture.before_forward()
     if rt is None or not forward_batch.forward_mode.is_extend():
@@ -264,30 +204,6 @@ def forward_with_fusion(
     finally:
         for plan in plans:
             plan.release(rt.registry)
-
-
-_ttft_metrics: FusedTtftMetrics | None = None
-
-
-def observe_fused_ttft(original: Any, manager: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND `TokenizerManager.collect_metrics` (runs only with `--enable-metrics`): when SGLang
-    observes a request's TTFT and every prefill round of it was fused, observe it for fusion too.
-    A shadow check's request is left out of SGLang's own series (TTFT, tokens, requests)."""
-    global _ttft_metrics
-    custom = getattr(state.obj, "sampling_params", None)
-    custom = (custom.get("custom_params") if isinstance(custom, dict) else None) or {}
-    if isinstance(custom, dict) and SHADOW_PARAM in custom:
-        return None  # a shadow check is not a user's request: SGLang's series do not count it
-    already_observed = state.ttft_observed
-    result = original(manager, state, *args, **kwargs)
-    if already_observed or not state.ttft_observed:
-        return result
-    rounds = state.customized_info_accumulated.get(META_KEY) or []
-    if rounds and all(info and info.get("fused") and "probe_form" not in info for info in rounds):
-        if _ttft_metrics is None:
-            _ttft_metrics = FusedTtftMetrics(manager.metrics_collector.labels)
-        _ttft_metrics.observe(rounds[-1]["selector"], state.time_stats.get_first_token_latency())
-    return result
 
 
 def _report(logits_output: Any, infos: list[dict[str, Any] | None]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -38,7 +39,7 @@ CheckState = Literal["unchecked", "passed", "failed", "no_adapter"]
 # Largest |fused - normal| of a prompt's last logits, relative to max(1, max |normal|): fp32
 # kernels agree to ~1e-6 (different attention kernels, one summation order); half precision
 # rounds each layer's activations.
-TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+TOLERANCE = MappingProxyType({torch.float32: 2e-4, torch.float16: 5e-2, torch.bfloat16: 5e-2})
 
 
 def _attention_applies_logit_cap(runner: Any) -> bool:

@@ -6,10 +6,10 @@ request, so they never run during a forward; the tiered store's promotion thread
 other writer of host memory, and it stands down once a placement has run):
 
 - `inputs`: every chunk the disk holds, with its registered form, the form host memory holds
-  now, its bytes and decode time in each form it may take (measured by encoding its registered
-  rows; chunks are measured until `MEASURE_BUDGET_S` has passed in the call, one chunk at a
-  time, so one call stalls the scheduler for about that long; the others get the per-token
-  costs of those measured, marked `estimated`), its decayed read count and the questions real
+  now, its bytes and decode time in each form it may take (`placement_costs.py`: measured by
+  encoding its registered rows; chunks are measured until `MEASURE_BUDGET_S` has passed in the
+  call, one chunk at a time, so one call stalls the scheduler for about that long; the others
+  get the per-token costs of those measured, marked `estimated`), its decayed read count and the questions real
   requests asked with it; the host and disk capacities, the host bytes of chunks not in the
   list (the plan must leave them their room) and the disk's read rate.
 - `tokens`: the token ids of the chunks to probe.
@@ -26,17 +26,16 @@ codec (`pin_form`), whatever host memory holds at the time.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
+from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_costs import FormCostBook
 from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkSummary, ChunkTiers, Pinned
 from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 from sglang_hicache_ext.tiers.chunks.stored_forms import (
-    BlobReader,
     StoredBlob,
     compressed_blob,
     decode_chunk,
@@ -71,22 +70,6 @@ def host_form(store: HostStore, chunk_id: str) -> str | None:
     return form_name(chunk.header.codec if isinstance(chunk, StoredBlob) else None)
 
 
-class FormCosts(NamedTuple):
-    """A chunk's bytes and decode seconds per form."""
-
-    num_tokens: int
-    nbytes: dict[str, int]
-    decode_s: dict[str, float]
-    estimated: bool
-
-
-class PerToken(NamedTuple):
-    """Mean bytes and decode seconds per token and form of the chunks measured so far."""
-
-    nbytes: dict[str, float]
-    decode_s: dict[str, float]
-
-
 class PlacementControl:
     """The placement's side of the tiered store: `summary` gives a chunk's sizes and codec as
     registered (the registry's record: no disk header read), `report_stored_bytes` updates the
@@ -103,9 +86,7 @@ class PlacementControl:
         self._summary = summary
         self._report_stored_bytes = report_stored_bytes
         self.usage = ChunkUsage()
-        self._disk_bytes_per_s = disk_bytes_per_s  # the throttle, when the disk has one
-        self._read_rates: list[float] = []
-        self._costs: dict[str, FormCosts] = {}  # measured (a chunk's content never changes)
+        self.costs = FormCostBook(summary, disk_bytes_per_s)
         self._probe_loans: Counter[str] = Counter()
         self._round_reads: dict[str, int] = {}  # the reads `inputs` reported, ended by `apply`
         # The rows of the last probes, kept for the round (outside host memory's budget): a
@@ -177,15 +158,15 @@ class PlacementControl:
         keys = [key for key in self.store.stored_keys() if key in self.store.disk]
         deadline = time.perf_counter() + MEASURE_BUDGET_S
         for key in keys:  # the measuring: at least one chunk a call, then within the budget
-            if key not in self._costs:
+            if key not in self.costs:
                 self._measure_logged(key)
                 if time.perf_counter() >= deadline:
                     break
-        per_token = self._per_token()
+        per_token = self.costs.per_token()
         self._round_reads = self.usage.reads()
         chunks = []
         for key in keys:
-            costs = self._costs.get(key) or self._estimate(key, per_token)
+            costs = self.costs.of(key, per_token)
             if costs is None:
                 continue
             use = self.usage.use(key)
@@ -202,7 +183,7 @@ class PlacementControl:
                     "questions": [list(q) for q in use.questions],
                 }
             )
-        if keys and self._disk_rate() is None:  # chunks measured from host memory's copies
+        if keys and self.costs.disk_rate() is None:  # chunks measured from host memory's copies
             self._read_disk(keys[0])  # for its timing only
         listed = {chunk["id"] for chunk in chunks}
         outside = sum(chunk.nbytes for key, chunk in self.store.host.items() if key not in listed)
@@ -214,7 +195,7 @@ class PlacementControl:
                 "disk": self.store.disk.stats().capacity_bytes,
             },
             "host_bytes_outside": outside,  # chunks not listed: the plan leaves them their room
-            "disk_bytes_per_s": self._disk_rate(),
+            "disk_bytes_per_s": self.costs.disk_rate(),
             "counters": dict(self.counters),
         }
 
@@ -232,13 +213,13 @@ class PlacementControl:
                 )
         # A placement decides what host memory holds: reads must not put chunks back.
         self.store.promote_on_read = False
-        per_token = self._per_token()
+        per_token = self.costs.per_token()
 
         def order(item: tuple[str, str | None]) -> tuple[int, int]:
             key, form = item  # drops, then shrinks, then grows (each makes room for the next)
             if form is None:
                 return (0, 0)
-            costs = self._costs.get(key) or self._estimate(key, per_token)
+            costs = self.costs.of(key, per_token)
             size = 0 if costs is None else costs.nbytes.get(form, 0)
             change = size - self._host_bytes(key)
             return (1 if change <= 0 else 2, change)
@@ -298,7 +279,9 @@ class PlacementControl:
             return None
         elapsed = time.perf_counter() - began
         rows = _dense(stored)
-        self._note_read(stored.nbytes if isinstance(stored, StoredBlob) else rows.nbytes, elapsed)
+        self.costs.note_read(
+            stored.nbytes if isinstance(stored, StoredBlob) else rows.nbytes, elapsed
+        )
         return rows
 
     def _host_chunk(self, key: str, form: str) -> PrecomputedChunk | StoredBlob | None:
@@ -317,73 +300,16 @@ class PlacementControl:
 
     def _measure(self, key: str) -> None:
         rows = self._registered_rows(key)
-        if rows is None:
-            return
-        registered = form_name(self._registered_codec(key))
-        nbytes: dict[str, int] = {}
-        decode_s: dict[str, float] = {}
-        for form in host_choices(registered):
-            if form == UNCOMPRESSED:
-                nbytes[form], decode_s[form] = rows.nbytes, 0.0
-                continue
-            blob = compressed_blob(key, rows, stored_codec(form))
-            reader = BlobReader(blob)
-            began = time.perf_counter()
-            for layer in range(blob.header.num_layers):
-                reader.read(layer, None)
-            nbytes[form], decode_s[form] = blob.nbytes, time.perf_counter() - began
-        self._costs[key] = FormCosts(rows.num_tokens, nbytes, decode_s, estimated=False)
-
-    def _per_token(self) -> dict[str | None, PerToken]:
-        """Per registered codec: the measured chunks' mean costs per token and form."""
-        groups: dict[str | None, list[FormCosts]] = {}
-        for key, costs in self._costs.items():
-            groups.setdefault(self._registered_codec(key), []).append(costs)
-        return {
-            codec: PerToken(
-                {
-                    f: statistics.fmean(c.nbytes[f] / c.num_tokens for c in group)
-                    for f in group[0].nbytes
-                },
-                {
-                    f: statistics.fmean(c.decode_s[f] / c.num_tokens for c in group)
-                    for f in group[0].decode_s
-                },
-            )
-            for codec, group in groups.items()
-        }
-
-    def _estimate(self, key: str, per_token: dict[str | None, PerToken]) -> FormCosts | None:
-        """An unmeasured chunk's costs: its registered bytes exactly (its summary), the other
-        forms by the per-token costs of the measured chunks registered alike."""
-        summary = self._summary(key)
-        alike = None if summary is None else per_token.get(summary.codec)
-        if summary is None or alike is None:
-            return None
-        tokens = summary.num_tokens
-        nbytes = {form: int(tokens * b) for form, b in alike.nbytes.items()}
-        nbytes[form_name(summary.codec)] = summary.nbytes
-        decode_s = {form: tokens * d for form, d in alike.decode_s.items()}
-        return FormCosts(tokens, nbytes, decode_s, estimated=True)
+        if rows is not None:
+            self.costs.measure(key, rows, form_name(self._registered_codec(key)))
 
     def _host_bytes(self, key: str) -> int:
         held = self.store.host.peek(key)
         return 0 if held is None else int(held.nbytes)
 
-    def _note_read(self, nbytes: int, seconds: float) -> None:
-        if seconds > 0:
-            self._read_rates = [*self._read_rates[-63:], nbytes / seconds]
-
-    def _disk_rate(self) -> float | None:
-        """The throttle when the disk has one, else the median of the reads timed here (a
-        warm page cache makes them fast: a real cold read is slower)."""
-        if self._disk_bytes_per_s:
-            return float(self._disk_bytes_per_s)
-        return statistics.median(self._read_rates) if self._read_rates else None
-
     def forget(self, chunk_ids: list[str]) -> None:
+        self.costs.forget(chunk_ids)
         for key in chunk_ids:
-            self._costs.pop(key, None)
             for form in CODEC_ORDER:
                 self._probe_rows.pop((key, form), None)
         self.usage.forget(chunk_ids)

@@ -1,25 +1,21 @@
-"""Per-round fusion plans of an extend batch, and the per-process state they come from.
+"""Per-round fusion plans of an extend batch, from the scheduler's fusion service.
 
 `plan_batch` decides, for every request of a batch, whether this round is fused and, if not,
 why (the fallback reason reported to the client). A batch is fused only when every request is.
 A fused request is computed whole in its first round; its later chunked-prefill rounds only
-write the rows kept for them (`FusionRuntime.pending`). `FusionRuntime.will_fuse` is admission's
-cheaper guess of the same decision.
+write the rows kept for them (`FusionService.pending`). `will_fuse` is admission's cheaper guess
+of the same decision.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
-from collections import Counter
-from pathlib import Path
 from typing import Any
 
+from sglang_hicache_ext.fusion.fused_rows import FusedRows
 from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
-from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
-from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
     WholeFetches,
     last_chunk_end,
@@ -27,123 +23,22 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
     prefix_agreement,
     unpin_chunks,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
-from sglang_hicache_ext.sglang_ext.chunk_fusion.fused_rows import FusedRows
-from sglang_hicache_ext.sglang_ext.chunk_fusion.live_fidelity import LiveFidelity
-from sglang_hicache_ext.sglang_ext.chunk_fusion.model_check import ModelCheck
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_probe import probe_form_of
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import registration_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
-from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOptions, parse_options
+from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOptions
+from sglang_hicache_ext.sglang_ext.chunk_fusion.service import FusionService
 from sglang_hicache_ext.sglang_ext.config.setting_types import AUTO_RATIO
-from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
-from sglang_hicache_ext.tuning.ratio.self_tuned import SelfTunedRatios
-from sglang_hicache_ext.tuning.ratio.table import RatioTable, load_ratio_table
+from sglang_hicache_ext.sglang_ext.sglang_types import ExtendBatch, ScheduledRequest
 
 logger = logging.getLogger(__name__)
-
-
-class FusionRuntime:
-    """Per scheduler process: the chunk registry, the live requests and the counters."""
-
-    def __init__(
-        self,
-        registry: ChunkRegistry,
-        settings: ExtensionSettings,
-        model_name: str = "",
-        tp: TensorParallel | None = None,
-    ) -> None:
-        self.registry = registry
-        self.tp = tp or TensorParallel()  # this scheduler's rank (`--tp-size`)
-        self.settings = settings
-        self.requests: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-        # Fused requests split across chunked-prefill rounds: the rows of their later rounds
-        # (host memory), dropped with the request, when it finishes or is aborted.
-        self.pending: weakref.WeakKeyDictionary[Any, FusedRows] = weakref.WeakKeyDictionary()
-        # Fused requests whose later round had to take SGLang's forward (a mixed batch): the
-        # rest of their prompt is computed normally over their fused rows, never fused again.
-        self.interrupted: weakref.WeakSet[Any] = weakref.WeakSet()
-        # Admission: where the last chunk ends in each prompt (None: not fusable), recomputed
-        # when the set of registered chunks changes.
-        self._admission: weakref.WeakKeyDictionary[Any, tuple[int, int | None]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self.counters: Counter[str] = Counter()
-        # The served model's adapter and the gate that proves it exact before fusing.
-        self.model = ModelCheck(tp=self.tp)
-        self._ratio_table: RatioTable | None = None
-        # "auto" without a ratio table: ratios from this server's own prefills and loads.
-        self.self_tuned = SelfTunedRatios.for_model(
-            model_name,
-            checked=settings.fusion_target_agreement is not None
-            and settings.fusion_shadow_rate > 0,
-        )
-        # The shadow checks' results: the live window and, with a target, each tier's ratio.
-        self.fidelity = LiveFidelity(settings)
-        # With the setting auto_chunks: fused prompts' own documents kept as chunks.
-        self.auto_capture: AutoCapture | None = None
-
-    def ratio_table(self) -> RatioTable:
-        """The tuned ratios of `fusion_ratio_table` (read once; ValueError when unusable)."""
-        if self._ratio_table is None:
-            if not self.settings.fusion_ratio_table:
-                raise ValueError("no fusion_ratio_table is set")
-            self._ratio_table = load_ratio_table(
-                Path(self.settings.fusion_ratio_table).expanduser()
-            )
-        return self._ratio_table
-
-    def will_fuse(self, req: Any) -> bool:
-        """Admission's guess whether `req` will be fused; the forward-time plan decides."""
-        if req in self.pending:
-            return True
-        if req in self.interrupted:
-            return False
-        generation = self.registry.generation
-        cached = self._admission.get(req)
-        if cached is None or cached[0] != generation:
-            options = options_of(self, req, count=False)
-            last_chunk_end: int | None = None
-            if (
-                options is not None
-                and options.enabled
-                and registration_id(req) is None
-                and _static_fallback_reason(req) is None
-            ):
-                if self.auto_capture is not None:  # its documents kept by earlier requests
-                    self.auto_capture.settle(req.origin_input_ids)
-                matches = self.registry.find(req.origin_input_ids)
-                last_chunk_end = matches[-1].prompt_end if matches else None
-            cached = (generation, last_chunk_end)
-            self._admission[req] = cached
-        last_chunk_end = cached[1]
-        # A cached prefix is reused exactly; something is left to fuse if a chunk ends after it.
-        return last_chunk_end is not None and req.prefix_len < last_chunk_end
-
-    def drop_finished(self) -> None:
-        """Forget the kept rows of requests that finished or were aborted between rounds."""
-        for req in [req for req in self.pending if req.finished()]:
-            del self.pending[req]
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            **self.counters,
-            "decode_steps_over_kept_rows": KEPT_ROWS.decode_steps,
-            "auto_ratio": self.self_tuned.status(),
-            "shadow": self.fidelity.status(),
-            "model_check": self.model.stats(),
-        }
-
-
-_runtime: FusionRuntime | None = None
 
 
 @dataclasses.dataclass
 class RequestPlan:
     """How one request of an extend batch is computed in this round."""
 
-    req: Any
+    req: ScheduledRequest | None  # None: a request the service was not told of (never fused)
     rid: str
     prefix_len: int
     extend_len: int
@@ -168,6 +63,12 @@ class RequestPlan:
     probe_form: str | None = None  # a placement probe: its chunks are the probe's own copies
     # A later round of a fused request: its rows were computed in the first round.
     continuation: FusedRows | None = None
+
+    @property
+    def request(self) -> ScheduledRequest:
+        """The request of a plan that asked for fusion (only those are planned further)."""
+        assert self.req is not None, "a plan without its request never asks for fusion"
+        return self.req
 
     @property
     def fused(self) -> bool:
@@ -205,7 +106,7 @@ class RequestPlan:
         self.pinned = []
 
 
-def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | None:
+def plan_batch(rt: FusionService, forward_batch: ExtendBatch) -> list[RequestPlan] | None:
     """One plan per request, or None when no request of the batch asked for fusion.
 
     The batch is fused only if every plan is; otherwise the fused ones fall back too."""
@@ -216,7 +117,7 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
     plans: list[RequestPlan] = []
     for rid, prefix_len, extend_len in zip(rids, prefix_lens, extend_lens, strict=True):
         req = rt.requests.get(rid)
-        options = options_of(rt, req) if req is not None else None
+        options = rt.options(req) if req is not None else None
         asked = options is not None and options.enabled and registration_id(req) is None
         plan = RequestPlan(req, rid, prefix_len, extend_len, asked, options)
         plans.append(plan)
@@ -234,7 +135,7 @@ def plan_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | Non
     return plans
 
 
-def plan_mixed_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan] | None:
+def plan_mixed_batch(rt: FusionService, forward_batch: ExtendBatch) -> list[RequestPlan] | None:
     """Plans of a mixed batch (prefill rounds beside decoding requests, `--enable-mixed-chunk`),
     which always takes SGLang's forward: the prefill rounds that asked for fusion fall back
     (`mixed_chunk`), and a fused request part-way through its rounds is finished normally.
@@ -248,15 +149,16 @@ def plan_mixed_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan]
     )
     for rid, prefix_len, extend_len in rows:
         req = rt.requests.get(rid)
-        options = options_of(rt, req) if req is not None else None
+        options = rt.options(req) if req is not None else None
         asked = (
-            options is not None
+            req is not None
+            and options is not None
             and options.enabled
             and registration_id(req) is None
             and not req.output_ids  # a decoding request's prefill is behind it
         )
         plan = RequestPlan(req, rid, prefix_len, extend_len, asked, options)
-        plan.continuation = rt.pending.get(req) if asked else None
+        plan.continuation = rt.pending.get(req) if req is not None and asked else None
         plans.append(plan)
     if not any(plan.asked for plan in plans):
         return None
@@ -265,9 +167,9 @@ def plan_mixed_batch(rt: FusionRuntime, forward_batch: Any) -> list[RequestPlan]
     return plans
 
 
-def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
+def _plan_request(rt: FusionService, plan: RequestPlan) -> None:
     """Fill in one request's plan: a continuation, a fused first round, or a fallback."""
-    req = plan.req
+    req = plan.request
     rows = rt.pending.get(req)
     if rows is not None:
         if rows.start == plan.prefix_len:
@@ -302,7 +204,7 @@ def _plan_request(rt: FusionRuntime, plan: RequestPlan) -> None:
             plan.fallback = "ratio_not_tuned"
 
 
-def _resolve_auto_ratio(rt: FusionRuntime, plan: RequestPlan) -> None:
+def _resolve_auto_ratio(rt: FusionService, plan: RequestPlan) -> None:
     """The ratio "auto" gives a request: each chunk tier's ratio from the ratio table ("tuned")
     or this server's own measurements ("self_tuned"), the request's the token-weighted mean over
     its chunks' tiers; with a token-agreement target ("target"), each tier's ratio as the shadow
@@ -334,41 +236,55 @@ def _resolve_auto_ratio(rt: FusionRuntime, plan: RequestPlan) -> None:
     plan.target_agreement = rt.fidelity.target.target
 
 
-def count_fallbacks(rt: FusionRuntime, plans: list[RequestPlan]) -> None:
+def count_fallbacks(rt: FusionService, plans: list[RequestPlan]) -> None:
     """Log and count (JSON stats and /metrics) every plan of a batch that falls back."""
-    metrics = extension_metrics()
     for plan in plans:
         if plan.fallback is not None:
-            rt.counters[f"fallback_{plan.fallback}"] += 1
-            if metrics is not None:
-                metrics.fusion_fallback(plan.fallback)
+            rt.fallback(plan.fallback)
             logger.info("request %s: normal prefill (%s)", plan.rid, plan.fallback)
 
 
-def fall_back(rt: FusionRuntime, plans: list[RequestPlan], reason: str) -> None:
+def fall_back(rt: FusionService, plans: list[RequestPlan], reason: str) -> None:
     for plan in plans:
         plan.release(rt.registry)
         plan.fallback = reason
         if plan.continuation is not None:
             # Part-way through its rounds: the rest of the prompt is computed normally over
             # the fused rows already written (it never enters the tree), and never fused again.
-            rt.pending.pop(plan.req, None)
-            rt.interrupted.add(plan.req)
+            rt.pending.pop(plan.request, None)
+            rt.interrupted.add(plan.request)
             plan.continuation = None
 
 
-def options_of(rt: FusionRuntime, req: Any, count: bool = True) -> FusionOptions | None:
-    try:
-        return parse_options(getattr(req.sampling_params, "custom_params", None), rt.settings)
-    except ValueError:  # validated at the HTTP layer; an engine API caller may bypass it
-        if count:
-            rt.counters["fallback_bad_options"] += 1
-            if (metrics := extension_metrics()) is not None:
-                metrics.fusion_fallback("bad_options")
-        return None
+def will_fuse(rt: FusionService, req: ScheduledRequest) -> bool:
+    """Admission's guess whether `req` will be fused; the forward-time plan decides."""
+    if req in rt.pending:
+        return True
+    if req in rt.interrupted:
+        return False
+    generation = rt.registry.generation
+    cached = rt.admission.get(req)
+    if cached is None or cached[0] != generation:
+        options = rt.options(req, count=False)
+        chunk_end: int | None = None
+        if (
+            options is not None
+            and options.enabled
+            and registration_id(req) is None
+            and _static_fallback_reason(req) is None
+        ):
+            if rt.auto_capture is not None:  # its documents kept by earlier requests
+                rt.auto_capture.settle(req.origin_input_ids)
+            matches = rt.registry.find(req.origin_input_ids)
+            chunk_end = matches[-1].prompt_end if matches else None
+        cached = (generation, chunk_end)
+        rt.admission[req] = cached
+    chunk_end = cached[1]
+    # A cached prefix is reused exactly; something is left to fuse if a chunk ends after it.
+    return chunk_end is not None and req.prefix_len < chunk_end
 
 
-def _static_fallback_reason(req: Any) -> str | None:
+def _static_fallback_reason(req: ScheduledRequest) -> str | None:
     """Reasons known from the request alone (admission and forward agree on them)."""
     if getattr(req, "return_hidden_states", False):
         return "hidden_states_requested"
@@ -380,20 +296,20 @@ def _static_fallback_reason(req: Any) -> str | None:
     return None
 
 
-def _fallback_reason(rt: FusionRuntime, req: Any) -> str | None:
+def _fallback_reason(rt: FusionService, req: ScheduledRequest) -> str | None:
     if req in rt.interrupted:
         return "mixed_batch"
     return _static_fallback_reason(req)
 
 
-def _extend_tokens_agree(forward_batch: Any, plans: list[RequestPlan]) -> bool:
+def _extend_tokens_agree(forward_batch: ExtendBatch, plans: list[RequestPlan]) -> bool:
     """The batch computes exactly each prompt's next round after its cached prefix (cheap check
     that guards the KV writes against any scheduler state this module does not know about)."""
     batch_ids = forward_batch.input_ids.tolist()
     offset = 0
     for plan in plans:
         end = plan.prefix_len + plan.extend_len
-        tail = list(plan.req.origin_input_ids[plan.prefix_len : end])
+        tail = list(plan.request.origin_input_ids[plan.prefix_len : end])
         if batch_ids[offset : offset + plan.extend_len] != tail:
             return False
         offset += plan.extend_len

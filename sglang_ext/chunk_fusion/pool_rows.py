@@ -2,17 +2,24 @@
 
 The pool holds keys after RoPE at the positions a prompt computed them; a chunk is stored
 pre-RoPE so that a later prompt can rotate it to wherever the chunk sits there. Both ways a
-chunk is captured read the pool through here: a registration (`registry.capture`) and a piece
-of ordinary traffic (`auto_capture`).
+chunk is captured read the pool through here: a registration (`capture_chunk`) and a piece of
+ordinary traffic (`auto_capture`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.fusion.rope import LayerRopes, unrotate_layers
+
+if TYPE_CHECKING:
+    from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+
+logger = logging.getLogger(__name__)
 
 
 def gather_rows(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
@@ -34,3 +41,29 @@ def pre_rope_rows(
     values = gather_rows([kv_pool.get_value_buffer(layer) for layer in layers], slots)
     # One rotation over every layer of a kind: the tables are the positions' only.
     return unrotate_layers(keys, positions.to(keys.device), rope).cpu(), values.cpu()
+
+
+def capture_chunk(
+    registry: ChunkRegistry,
+    chunk_id: str,
+    token_ids: list[int],
+    kv_pool: Any,
+    slots: torch.Tensor,
+    codec: str | None = None,
+    prefix: tuple[int, ...] = (),
+) -> bool:
+    """Store in `registry` the registered chunk whose K/V sit at `slots` of `kv_pool`, computed
+    at positions len(prefix).. after `prefix` (empty: alone at 0..n-1), compressed by `codec`
+    (on every tier) when given. False (logged, counted) when the id is not its tokens' hash."""
+    if chunk_id != chunk_hash(token_ids):
+        registry.failed_captures += 1
+        logger.error("chunk registration %s does not match its tokens; ignored", chunk_id[:12])
+        return False
+    if chunk_id in registry.store:
+        return True
+    start = len(prefix)
+    positions = torch.arange(start, start + len(token_ids), device=slots.device)
+    keys, values = pre_rope_rows(kv_pool, slots, positions, registry.rope)
+    return registry.store_rows(
+        token_ids, list(keys.unbind(0)), list(values.unbind(0)), codec, prefix
+    )

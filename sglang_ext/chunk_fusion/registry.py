@@ -5,9 +5,10 @@ carry its id. SGLang prefills it like any prompt: alone at positions 0..n-1, or 
 (the deployment's system prompt and chat header, `POST /chunks` "prefix"), whose rows the tree
 caches like any prompt's and which is not stored with the chunk. When the request is
 checkpointed into the tree (its KV rows are still valid then), the `hicache_ext` tree cache
-reads the chunk's K/V from SGLang's KV pool, rotates K back to pre-RoPE, computes the CacheTune
-frequency scores, and stores the result in the host chunk store under the content hash of the
-chunk's token ids. The chunk index learns the token sequence so later prompts can find it.
+reads the chunk's K/V from SGLang's KV pool, rotated back to pre-RoPE (`pool_rows.capture_chunk`),
+and the registry computes the CacheTune frequency scores and stores the result in the host chunk
+store under the content hash of the chunk's token ids. The chunk index learns the token sequence
+so later prompts can find it.
 
 With a disk tier (`chunk_disk_dir`) the chunk is also written to disk before the registration
 is answered; at start the registry indexes every chunk found on disk, so chunks registered
@@ -36,10 +37,9 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
     PlacementControl,
     host_form,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
 from sglang_hicache_ext.tiers.chunks.chunk_tiers import (
     ChunkSummary,
@@ -91,8 +91,11 @@ class ChunkRegistry:
         remote: ChunkRemoteTier | None = None,
         promote_on_read: bool = True,
         disk_read_bytes_per_s: float | None = None,
+        context_variants: ContextVariants | None = None,
+        metrics: ExtensionMetrics | None = None,
     ) -> None:
         self.index = ChunkIndex()
+        self.metrics = metrics
         # Streamed: a request reads only the disk rows it reuses, layer by layer under the
         # compute; the chunk is promoted to host memory after the request, in the background.
         self.store: ChunkTiers[HostChunk] = ChunkTiers(
@@ -121,7 +124,7 @@ class ChunkRegistry:
             self.store, self.summary, self.report_stored_bytes, disk_read_bytes_per_s
         )
         # Documents' rows in the prompts shadow checks computed (fusion_shadow_refresh).
-        self.context_variants: ContextVariants | None = None
+        self.context_variants = context_variants
         self.restored = self._index_stored_chunks()
         self.shared_found = 0  # chunks other servers announced in the shared tier, indexed here
 
@@ -134,8 +137,8 @@ class ChunkRegistry:
         """Index the chunks other servers announced in the shared tier since the last look."""
         remote = self.store.remote
         found = 0 if remote is None else sum(self._index_header(*h) for h in remote.announced())
-        if found and (metrics := extension_metrics()) is not None:
-            metrics.shared_chunks_found(found)
+        if found and self.metrics is not None:
+            self.metrics.shared_chunks_found(found)
         self.shared_found += found
         return found
 
@@ -218,31 +221,6 @@ class ChunkRegistry:
         """A stored chunk's sizes as registered (in memory: no disk header read)."""
         return self._summaries.get(chunk_id)
 
-    def capture(
-        self,
-        chunk_id: str,
-        token_ids: list[int],
-        kv_pool: Any,
-        slots: torch.Tensor,
-        codec: str | None = None,
-        prefix: tuple[int, ...] = (),
-    ) -> bool:
-        """Store the chunk whose K/V sit at `slots` of `kv_pool`, computed at positions
-        len(prefix).. after `prefix` (empty: alone at 0..n-1), compressed by `codec` (on every
-        tier) when given."""
-        if chunk_id != chunk_hash(token_ids):
-            self.failed_captures += 1
-            logger.error("chunk registration %s does not match its tokens; ignored", chunk_id[:12])
-            return False
-        if chunk_id in self.store:
-            return True
-        start = len(prefix)
-        positions = torch.arange(start, start + len(token_ids), device=slots.device)
-        keys, values = pre_rope_rows(kv_pool, slots, positions, self._rope)
-        return self.store_rows(
-            token_ids, list(keys.unbind(0)), list(values.unbind(0)), codec, prefix
-        )
-
     @property
     def rope(self) -> LayerRopes:
         """The rotations a stored chunk's keys were rotated back with (one, or one per layer)."""
@@ -311,55 +289,17 @@ class ChunkRegistry:
         )
         return True
 
-    def _info(self, chunk_id: str) -> dict[str, Any] | None:
-        summary = self._summaries.get(chunk_id)
-        tiers = self.store.tiers_of(chunk_id)
-        if summary is None or not tiers:
-            return None
-        host_form = self.host_form(chunk_id) if tiers[0] == "host" else None
-        read_form = summary.codec if host_form is None else host_form
-        prefix = self.prefix_of(chunk_id) or (None, None)
-        return {
-            "id": chunk_id,
-            "num_tokens": summary.num_tokens,
-            "nbytes": summary.nbytes,
-            "num_layers": summary.num_layers,
-            "tier": tiers[0],  # where a request would load it from
-            "tiers": tiers,
-            # The form a request reads in `tier` (a placement may hold host memory's copy more
-            # compressed than the registered rows the lower tiers keep); None: dense rows.
-            "codec": None if read_form == "none" else read_form,
-            "registered_codec": summary.codec,
-            # The prefix the chunk was computed after: its token count and id ("" / 0: alone);
-            # null when not recorded (a chunk this process did not register).
-            "prefix_id": prefix[0],
-            "prefix_tokens": prefix[1],
-        }
-
-    def describe(self, chunk_id: str) -> dict[str, Any] | None:
-        """A chunk's listing entry. A chunk unknown here that another server wrote to the
-        shared tier is indexed now (its header only): `POST /chunks` of the same tokens then
-        answers without a prefill, and requests fetch its rows from the shared tier."""
-        if chunk_id not in self._summaries:
-            header = self.store.discover(chunk_id)
-            if header is not None and self._index_header(chunk_id, header):
-                logger.info("chunk %s found in the shared tier", chunk_id[:12])
-        return self._info(chunk_id)
-
-    def key_probe(self, chunk_id: str, layer: int, token: int) -> list[list[float]]:
-        stored = self.store.peek(chunk_id)
-        if stored is None:
-            raise ValueError(f"unknown chunk {chunk_id[:12]}")
-        chunk = readable(stored)
-        if not (0 <= layer < chunk.num_layers and 0 <= token < chunk.num_tokens):
-            raise ValueError(
-                f"probe out of range: layer {layer} of {chunk.num_layers}, token {token} of {chunk.num_tokens}"
-            )
-        return chunk.rows(layer, torch.tensor([token]))[0][0].float().tolist()
-
-    def list(self) -> list[dict[str, Any]]:
-        infos = (self._info(key) for key in self.store.stored_keys())
-        return [info for info in infos if info is not None]
+    def discover(self, chunk_id: str) -> bool:
+        """Index a chunk unknown here that another server wrote to the shared tier (its header
+        only); whether the registry knows the chunk now. `POST /chunks` of the same tokens
+        then answers without a prefill, and requests fetch its rows from the shared tier."""
+        if chunk_id in self._summaries:
+            return True
+        header = self.store.discover(chunk_id)
+        if header is not None and self._index_header(chunk_id, header):
+            logger.info("chunk %s found in the shared tier", chunk_id[:12])
+            return True
+        return False
 
     def delete(self, chunk_id: str) -> bool:
         """False when unknown; raises RuntimeError while a running request pins the chunk."""
@@ -374,7 +314,7 @@ class ChunkRegistry:
         return True
 
     def report_stored_bytes(self) -> None:
-        if (metrics := extension_metrics()) is not None:
+        if (metrics := self.metrics) is not None:
             stats = self.store.stats()
             metrics.chunk_stored_bytes(stats.host.bytes_used, tier="host")
             if stats.disk is not None:

@@ -7,6 +7,8 @@ types and bounds are the settings' own (`SelectorName`, `RecomputeRatio`, `SinkT
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -39,17 +41,19 @@ SHADOW_KEY = "fusion_shadow"
 META_KEY = "hicache_ext_fusion"
 
 # Each option's custom_params key and the setting that is its server default.
-SERVER_DEFAULTS: dict[str, str] = {
-    ENABLE_KEY: "fusion_by_default",
-    SELECTOR_KEY: "fusion_selector",
-    RATIO_KEY: "fusion_recompute_ratio",
-    SINK_KEY: "fusion_sink_tokens",
-    FRESH_KEY: "fusion_fresh_layers",
-    TEMPERATURE_KEY: "fusion_context_temperature",
-    SCALE_KEY: "fusion_context_scale",
-    OVERLAP_KEY: "fusion_overlap_loads",
-    DECODE_CAPACITY_KEY: "fusion_decode_capacity",
-}
+SERVER_DEFAULTS: Mapping[str, str] = MappingProxyType(
+    {
+        ENABLE_KEY: "fusion_by_default",
+        SELECTOR_KEY: "fusion_selector",
+        RATIO_KEY: "fusion_recompute_ratio",
+        SINK_KEY: "fusion_sink_tokens",
+        FRESH_KEY: "fusion_fresh_layers",
+        TEMPERATURE_KEY: "fusion_context_temperature",
+        SCALE_KEY: "fusion_context_scale",
+        OVERLAP_KEY: "fusion_overlap_loads",
+        DECODE_CAPACITY_KEY: "fusion_decode_capacity",
+    }
+)
 OPTION_KEYS: tuple[str, ...] = (*SERVER_DEFAULTS, SHADOW_KEY)
 
 
@@ -124,7 +128,7 @@ def parse_options(custom_params: Any, defaults: ExtensionSettings) -> FusionOpti
 
 
 # What each value type must be, in the words of a 400.
-_MUST_BE = {bool: "true or false", float: "a number", int: "an integer"}
+_MUST_BE = MappingProxyType({bool: "true or false", float: "a number", int: "an integer"})
 
 
 def _refusal(error: ErrorDetails) -> str:
@@ -139,6 +143,7 @@ def _refusal(error: ErrorDetails) -> str:
     if key == SHADOW_KEY:  # true, false or null
         return f"custom_params.{key} must be true or false (or null), got {given}"
     field = next(f for f in FusionOptions.model_fields.values() if f.alias == key)
+    assert isinstance(field.annotation, type)  # the other options are answered above
     must_be = " ".join(filter(None, (_MUST_BE[field.annotation], bound_phrase(field))))
     return f"custom_params.{key} must be {must_be}, got {given}"
 

@@ -34,6 +34,8 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 SHADOW_PARAM = "hicache_ext_shadow_of"  # internal: the id of the request being checked
+# The control method (after `hicache_ext.`) that brings a check's result to the scheduler.
+FIDELITY_RECORD_METHOD = "fidelity.record"
 # A check's prompt is prefilled in rounds of at most this many tokens, whatever the server's
 # --chunked-prefill-size: a user request that arrives meanwhile waits for one such round (the
 # HTTP process aborts the check, `server/shadow_checks.py`), not for a whole prompt. 128: with

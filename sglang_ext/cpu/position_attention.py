@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang_hicache_ext.fusion.attention import gather_attend
-from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KEPT_ROWS
+from sglang_hicache_ext.sglang_ext.chunk_fusion.decode_keep import KeptRowsTable
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -40,6 +40,11 @@ def _make_backend_class() -> type:
         # prompt rows only (chunk_fusion/decode_keep.py).
         applies_kept_rows = True
         _layer = 0
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Written by the fused forward of this backend's model runner, read by its decode.
+            self.kept_rows = KeptRowsTable()
 
         def forward_decode(
             self, q: Any, k: Any, v: Any, layer: Any, *args: Any, **kwargs: Any
@@ -120,7 +125,8 @@ def _attend_new_queries(
     its pooled K/V; written into and returning `output`. A request decoding after a decode-time
     eviction reads only its kept prompt rows (`chunk_fusion/decode_keep.py`)."""
     query, output, req_to_token = call["query"], call["output"], call["req_to_token"]
-    generations = backend.req_to_token_pool.req_generation if KEPT_ROWS else None
+    kept_rows: KeptRowsTable = backend.kept_rows
+    generations = backend.req_to_token_pool.req_generation if kept_rows else None
     start = 0
     for row, prefix_len, new_len, seq_len in zip(
         call["req_pool_indices"].tolist(),
@@ -130,14 +136,14 @@ def _attend_new_queries(
         strict=True,
     ):
         end = start + new_len
-        kept = None if generations is None else KEPT_ROWS.get(row, int(generations[row]))
+        kept = None if generations is None else kept_rows.get(row, int(generations[row]))
         if kept is not None and prefix_len >= kept.prompt_len:  # decoding past its prompt
             if new_len != 1:
                 raise RuntimeError(
                     f"a request decoding over kept rows extends by {new_len} tokens; "
                     "decode-time eviction decodes one token per step"
                 )
-            KEPT_ROWS.decode_steps += backend._layer == 0
+            kept_rows.decode_steps += backend._layer == 0
             output[start:end] = kept.attend(
                 backend._layer,
                 query[start:end],

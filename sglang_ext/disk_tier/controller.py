@@ -13,6 +13,7 @@ from typing import Any
 
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import GroupTTLDiskStorage
 from sglang_hicache_ext.sglang_ext.disk_tier.write_info import WRITE_INFO_KEY, PageWriteInfo
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +27,13 @@ def disk_backend(cache: Any) -> GroupTTLDiskStorage | None:
     return backend if isinstance(backend, GroupTTLDiskStorage) else None
 
 
-def install(cache: Any) -> GroupTTLDiskStorage | None:
-    """Switch `cache`'s controller to the TTL-passing subclass; the backend, or None."""
+def install(cache: Any, metrics: ExtensionMetrics | None) -> GroupTTLDiskStorage | None:
+    """Switch `cache`'s controller to the TTL-passing subclass and hand the backend the
+    scheduler's series; the backend, or None when HiCache's storage tier is not ours."""
     backend = disk_backend(cache)
     if backend is None:
         return None
+    backend.metrics = metrics
     controller = cache.cache_controller
     controller.__class__ = controller_class(type(controller))
     # Bound at attach time to the base class's functions; rebind to ours.
@@ -50,7 +53,7 @@ def controller_class(base: type) -> type:
         return base
     if base not in _classes:
 
-        class TtlPassingController(base):  # type: ignore[misc, valid-type]
+        class TtlPassingController(base):
             """Passes the group and current TTL of every page it writes to storage."""
 
             def _page_set_zero_copy(

@@ -16,7 +16,6 @@ from typing import Any, Protocol
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import (
     CountMirror,
     ExtensionMetrics,
-    extension_metrics,
 )
 from sglang_hicache_ext.tiers.pages.page_store import PageStore
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl
@@ -57,10 +56,9 @@ class DiskTierMetricsExport:
         self._ttl_groups: set[str] = set()  # groups with a TTL gauge so far
         self._failed = False
 
-    def export(self, backend: ExportedBackend, metrics: ExtensionMetrics | None = None) -> None:
-        """Add what grew to `metrics` (default: this process's series, if SGLang's metrics are
-        on). Never raises (runs in the maintenance thread): a failure is logged once."""
-        metrics = metrics if metrics is not None else extension_metrics()
+    def export(self, backend: ExportedBackend, metrics: ExtensionMetrics | None) -> None:
+        """Add what grew to `metrics` (None: SGLang's metrics are off, nothing to do). Never
+        raises (runs in the maintenance thread): a failure is logged once."""
         if metrics is None:
             return
         try:

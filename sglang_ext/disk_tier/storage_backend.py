@@ -62,7 +62,7 @@ from sglang_hicache_ext.sglang_ext.disk_tier.fault_guard import (
 from sglang_hicache_ext.sglang_ext.disk_tier.history import HISTORY_FILE_NAME, TtlHistoryFile
 from sglang_hicache_ext.sglang_ext.disk_tier.metrics_export import DiskTierMetricsExport
 from sglang_hicache_ext.sglang_ext.disk_tier.write_info import PageWriteInfo, passed_write_info
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
 from sglang_hicache_ext.tiers.pages.page_store import PageStore
 from sglang_hicache_ext.tuning.ttl.online import OnlineTtl
 
@@ -108,6 +108,9 @@ class GroupTTLDiskStorage(HiCacheStorage):
         self.history.remove_stray_temps()  # only now: we own the folder
         self._closed = False
         self.metrics_export = DiskTierMetricsExport()
+        # SGLang constructs this backend; the assembly hands it the scheduler's series when it
+        # installs the tier (`controller.install`). None until then, and with metrics off.
+        self.metrics: ExtensionMetrics | None = None
         self._stop = threading.Event()
         self._maintenance = threading.Thread(
             target=self._maintenance_loop, name="hicache-ext-disk-maintenance", daemon=True
@@ -138,7 +141,7 @@ class GroupTTLDiskStorage(HiCacheStorage):
             self._count("writes_without_groups")
             info = PageWriteInfo.of_pages(self.online, keys, extra_info)
         page_size = self.mem_pool_host.page_size
-        metrics = extension_metrics()
+        metrics = self.metrics
         results = []
         for i, key in enumerate(keys):
             try:  # per page: the pages stored before a failure stay reported as stored
@@ -174,7 +177,7 @@ class GroupTTLDiskStorage(HiCacheStorage):
             hit_groups.append(page.group if page is not None else RESIDUAL_GROUP)
             hit_bytes.append(loaded)
         self.online.record_disk_hits(hit_groups)
-        if (metrics := extension_metrics()) is not None:
+        if (metrics := self.metrics) is not None:
             for group, nbytes in zip(hit_groups, hit_bytes, strict=True):
                 metrics.disk_read(group, nbytes)
         return results
@@ -314,7 +317,7 @@ class GroupTTLDiskStorage(HiCacheStorage):
                 logger.exception("%s: purging expired pages failed", BACKEND_NAME)
             if self.history.save_due(self.settings.history_save_s):
                 self.history.save()
-            self.metrics_export.export(self)
+            self.metrics_export.export(self, self.metrics)
 
 
 if (__name__, GroupTTLDiskStorage.__name__) != (MODULE_PATH, CLASS_NAME):

@@ -64,23 +64,23 @@ class ShadowCheckMetrics:
     selector and ratio bucket."""
 
     def __init__(self, labels: Mapping[str, str], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Counter, Histogram
+        from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
         self.labels = dict(labels)
-        where = {"registry": registry if registry is not None else REGISTRY}
+        where: CollectorRegistry = registry if registry is not None else REGISTRY
         by_kind = [*self.labels, "selector", "ratio_bucket"]
         self._checks = Counter(
             f"{PREFIX}fusion_shadow_checks_total",
             "Fused requests checked against the normal prefill (the prompt and served tokens "
             "prefilled with fusion off), by selector and recompute-ratio bucket.",
             by_kind,
-            **where,
+            registry=where,
         )
         self._first_agree = Counter(
             f"{PREFIX}fusion_shadow_first_token_agreements_total",
             "Checked requests whose first served token is the normal prefill's greedy choice.",
             by_kind,
-            **where,
+            registry=where,
         )
         self._agreement = Histogram(
             f"{PREFIX}fusion_shadow_token_agreement",
@@ -88,20 +88,20 @@ class ShadowCheckMetrics:
             "fusion_shadow_tokens) that are the normal prefill's greedy choice.",
             by_kind,
             buckets=AGREEMENT_BUCKETS,
-            **where,
+            registry=where,
         )
         self._dropped = Counter(
             f"{PREFIX}fusion_shadow_dropped_total",
             "Checks not run, by reason: queue_full (no spare capacity before fusion_shadow_queue "
             "filled), preempted (a user request came during the check, three times).",
             [*self.labels, "reason"],
-            **where,
+            registry=where,
         )
         self._failed = Counter(
             f"{PREFIX}fusion_shadow_failed_total",
             "Checks whose normal prefill failed (logged; the checked request was answered).",
             [*self.labels],
-            **where,
+            registry=where,
         )
 
     def checked(self, selector: str, ratio: float, agreement: float, first_token: bool) -> None:

@@ -4,8 +4,8 @@ SGLang serves `/metrics` from its HTTP process with prometheus-client in multipr
 sets `PROMETHEUS_MULTIPROC_DIR` before it starts the scheduler, every process writes its series
 to files there, and the HTTP process merges them at scrape time. The extension's events happen in
 the scheduler process (fusion plans and forwards, the chunk store, the disk tier's threads), so
-the series are created there, on first use, and only when SGLang's metrics are on: with metrics
-off `extension_metrics()` is None after one check and every call site skips its update. The
+the series are created there, by the assembly, and only when SGLang's metrics are on: with
+metrics off `process_metrics()` is None and every part handed None skips its updates. The
 series observed in the HTTP process itself (fused TTFT, shadow checks) are
 `metrics/http_process_metrics.py`.
 
@@ -40,23 +40,29 @@ class ExtensionMetrics:
     def __init__(self, labels: Mapping[str, str], registry: Any = None) -> None:
         # Imported here: prometheus-client picks its multiprocess value class at import, after
         # SGLang has set PROMETHEUS_MULTIPROC_DIR.
-        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+        from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
         self.labels = dict(labels)
         base = list(self.labels)
-        where = {"registry": registry if registry is not None else REGISTRY}
+        where: CollectorRegistry = registry if registry is not None else REGISTRY
 
         def counter(name: str, doc: str, *extra: str) -> Counter:
-            return Counter(f"{PREFIX}{name}", doc, [*base, *extra], **where)
+            return Counter(f"{PREFIX}{name}", doc, [*base, *extra], registry=where)
 
         def gauge(name: str, doc: str, label: str) -> Gauge:
             # One value per scheduler process (tp_rank): the latest write wins, as SGLang's own.
             return Gauge(
-                f"{PREFIX}{name}", doc, [*base, label], multiprocess_mode="mostrecent", **where
+                f"{PREFIX}{name}",
+                doc,
+                [*base, label],
+                multiprocess_mode="mostrecent",
+                registry=where,
             )
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"{PREFIX}{name}", doc, [*base, "selector"], buckets=buckets, **where)
+            return Histogram(
+                f"{PREFIX}{name}", doc, [*base, "selector"], buckets=buckets, registry=where
+            )
 
         self._fused = counter(
             "fused_requests_total", "Requests whose prefill ran through chunk fusion.", "selector"
@@ -263,37 +269,26 @@ class CountMirror:
         return grown
 
 
-_UNRESOLVED: Any = object()
-_metrics: ExtensionMetrics | None = _UNRESOLVED
-_resolve_lock = threading.Lock()
-
-
-def extension_metrics() -> ExtensionMetrics | None:
-    """This process's series when SGLang's metrics are on, else None (decided once)."""
-    metrics = _metrics
-    if metrics is not _UNRESOLVED:
-        return metrics
-    with _resolve_lock:
-        return _resolve()
-
-
-def _resolve() -> ExtensionMetrics | None:
-    global _metrics
-    if _metrics is not _UNRESOLVED:
-        return _metrics
+def process_metrics() -> ExtensionMetrics | None:
+    """This scheduler process's series when SGLang's metrics are on, else None. Called once per
+    scheduler, by the assembly (`sglang_ext/assembly.py`), after SGLang has published its
+    configuration in the process; every part that counts is handed the result. The series get
+    a registry of their own: in SGLang's multiprocess mode the values reach `/metrics` through
+    the files every process writes, so a second server built in one process (tests) does not
+    collide with the first's names."""
     try:
         from sglang.srt.runtime_context import get_observability
     except ImportError:
-        _metrics = None
         return None
     try:
         observability = get_observability()
-    except ValueError:  # SGLang's config not published in this process (yet): ask again later
+    except ValueError:  # SGLang's configuration is not published in this process
         return None
-    _metrics = (
-        ExtensionMetrics(_sglang_labels(observability)) if observability.enable_metrics else None
-    )
-    return _metrics
+    if not observability.enable_metrics:
+        return None
+    from prometheus_client import CollectorRegistry
+
+    return ExtensionMetrics(_sglang_labels(observability), registry=CollectorRegistry())
 
 
 def _sglang_labels(observability: Any) -> dict[str, str]:

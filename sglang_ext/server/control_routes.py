@@ -9,14 +9,11 @@ the scheduler's tree cache (`chunk_fusion/registry.py`). Every refusal is a 4xx 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import CONTROL_PREFIX
-from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 from sglang_hicache_ext.sglang_ext.server.request_limits import RequestRefused
 
 
@@ -29,13 +26,6 @@ def tokenizer_manager() -> Any:
     from sglang.srt.entrypoints import http_server
 
     return http_server._global_state.tokenizer_manager
-
-
-@functools.lru_cache(maxsize=4)
-def server_settings(extra_config: str | None) -> ExtensionSettings:
-    """The settings of the server launched with this extra config. Read once per server: they
-    were validated at launch and do not change."""
-    return load_settings(extra_config)
 
 
 async def control(method: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,6 @@ Every refusal is a 4xx with `{"error": message}`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import re
 from typing import Any
 
@@ -44,16 +42,14 @@ from sglang_hicache_ext.sglang_ext.server.control_routes import (
     control_error_response,
     error_response,
     refused_response,
-    server_settings,
     tokenizer_manager,
 )
+from sglang_hicache_ext.sglang_ext.server.http_state import http_state
 from sglang_hicache_ext.sglang_ext.server.request_limits import (
-    RateLimiter,
     RequestRefused,
     parse_json,
     read_bounded_body,
 )
-from sglang_hicache_ext.sglang_ext.server.shadow_checks import shadow_checks_status
 
 # A capture lands when the scheduler checkpoints the request, just before the response goes out.
 _CAPTURE_POLL_S = 0.05
@@ -61,23 +57,6 @@ _CAPTURE_TIMEOUT_S = 10.0
 # The TTL route takes a handful of numbers; anything larger than this is not a TTL request.
 _CONTROL_BODY_MAX_BYTES = 64 * 1024
 _CHUNK_ID = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkLimits:
-    """The bounds of `POST /chunks` on this server, and the registration rate limiter."""
-
-    settings: ExtensionSettings
-    rate: RateLimiter
-
-
-@functools.lru_cache(maxsize=4)
-def _chunk_limits(extra_config: str | None) -> ChunkLimits:
-    settings = server_settings(extra_config)  # one rate limiter per server, too
-    return ChunkLimits(
-        settings,
-        RateLimiter(settings.chunk_registrations_per_minute, "chunk_registrations_per_minute"),
-    )
 
 
 def chunk_token_bound(
@@ -122,9 +101,9 @@ async def register_chunk(request: Request) -> JSONResponse:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     manager = tokenizer_manager()
-    limits = _chunk_limits(manager.server_args.hicache_storage_backend_extra_config)
+    limits = http_state(manager)
     try:
-        limits.rate.acquire(_client_host(request))
+        limits.registrations.acquire(_client_host(request))
         raw = await read_bounded_body(
             request, limits.settings.chunk_max_body_bytes, "chunk_max_body_bytes"
         )
@@ -308,6 +287,15 @@ def add_routes(app: Any, normal: Any, admin: Any) -> None:
     app.add_api_route("/hicache_ext/storage/ttl", admin(storage_ttl), methods=["POST"])
     placement_routes.add_routes(app, normal, admin)
     app.add_api_route("/hicache_ext/shadow_checks", normal(shadow_checks_status), methods=["GET"])
+
+
+async def shadow_checks_status() -> JSONResponse:
+    """The shadow checks of fused answers in this server's HTTP process: the rate, checks
+    waiting for spare capacity, counts (queued, checked, dropped by reason, failed, skipped
+    because sampled) and the latest results (request id, token agreement, first token agreed,
+    ratio and what chose it). The rolling window and the target's ratios are in /server_info
+    (internal_states[i].hicache_ext.fusion.shadow)."""
+    return JSONResponse(http_state(tokenizer_manager()).shadow_checks.status())
 
 
 def register_routes() -> None:

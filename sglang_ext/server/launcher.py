@@ -314,8 +314,8 @@ def exit_on_sigterm() -> Any:
 
 
 def generate(
-    url: str, text: str, max_new_tokens: int = 8, timeout_s: float = 1200.0, **extra: object
-) -> dict:
+    url: str, text: str, max_new_tokens: int = 8, timeout_s: float = 1200.0, **extra: Any
+) -> dict[str, Any]:
     """Greedy `/generate` request; returns the response JSON (raises on an HTTP error)."""
     response = requests.post(
         url + "/generate",

@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse
 
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.server import control_routes
+from sglang_hicache_ext.sglang_ext.server.http_state import http_state
 from sglang_hicache_ext.sglang_ext.server.placement_round import (
     PROFILE_CHUNKS_PER_ROUND,
-    PlacementRounds,
     RoundRunning,
 )
 from sglang_hicache_ext.sglang_ext.server.request_limits import (
@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 _BODY_MAX_BYTES = 4096
 _MAX_PROFILED = 100_000
-ROUNDS = PlacementRounds()
 
 
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -91,16 +90,17 @@ async def run_placement(request: Request) -> JSONResponse:
     profiles (default 8: never profiled first, then the most read). 400 on bad values or unknown
     keys, 404 without a chunk disk tier (chunk_disk_dir), 409 while a round runs."""
     manager = control_routes.tokenizer_manager()
-    settings = control_routes.server_settings(
-        manager.server_args.hicache_storage_backend_extra_config
-    )
+    state = http_state(manager)
+    settings = state.settings
     try:
         raw = await read_bounded_body(request, _BODY_MAX_BYTES, "the placement route's limit")
         parameters = placement_parameters(parse_json(raw) if raw.strip() else {}, settings)
     except RequestRefused as err:
         return control_routes.refused_response(err)
     try:
-        return JSONResponse(await ROUNDS.run(manager, control_routes.control, *parameters))
+        return JSONResponse(
+            await state.placement_rounds.run(manager, control_routes.control, *parameters)
+        )
     except RoundRunning as err:
         return control_routes.error_response(409, str(err))
     except control_routes.ControlError as err:
@@ -109,7 +109,7 @@ async def run_placement(request: Request) -> JSONResponse:
 
 async def placement_status() -> JSONResponse:
     """Rounds so far, profiled chunks, probe fallbacks and the last round's result."""
-    return JSONResponse(ROUNDS.status())
+    return JSONResponse(http_state(control_routes.tokenizer_manager()).placement_rounds.status())
 
 
 def add_routes(app: Any, normal: Any, admin: Any) -> None:

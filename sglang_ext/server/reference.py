@@ -210,7 +210,7 @@ def metric_series() -> list[Series]:
         for metric in vars(owner).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue
-            family = metric.describe()[0]
+            family = next(iter(metric.describe()))
             # A counter's family drops `_total`; its one sample, the name scraped, has it.
             name = family.name + ("_total" if family.type == "counter" else "")
             # prometheus-client has no public accessor for a wrapper's label names.

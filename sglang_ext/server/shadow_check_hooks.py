@@ -19,8 +19,8 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import registering_
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import ENABLE_KEY, SHADOW_KEY
 from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import running_shadow_check
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.server.control_routes import server_settings
-from sglang_hicache_ext.sglang_ext.server.shadow_checks import ShadowChecks, shadow_checks
+from sglang_hicache_ext.sglang_ext.server.http_state import http_state
+from sglang_hicache_ext.sglang_ext.server.shadow_checks import ShadowChecks
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +60,6 @@ def served_greedily(tokenized: Any) -> bool:
     return neutral and (params.temperature == 0 or params.top_k == 1)
 
 
-def _settings(manager: Any) -> ExtensionSettings:
-    return server_settings(manager.server_args.hicache_storage_backend_extra_config)
-
-
 def _may_be_checked(obj: Any, settings: ExtensionSettings) -> bool:
     params = getattr(obj, "sampling_params", None)
     custom = (params.get("custom_params") if isinstance(params, dict) else None) or {}
@@ -78,11 +74,11 @@ async def remember_prompt(original: Any, manager: Any, obj: Any, *args: Any, **k
     prompt's token ids (and its state, whose output ids are complete when it finishes) until
     its answer, when `consider` takes them."""
     tokenized = await original(manager, obj, *args, **kwargs)
-    settings = _settings(manager)
-    if not internal_request() and _may_be_checked(obj, settings):
+    checks = http_state(manager).shadow_checks
+    if not internal_request() and _may_be_checked(obj, checks.settings):
         state = manager.rid_to_state.get(tokenized.rid)
         if state is not None:
-            shadow_checks(manager, settings).prompts[tokenized.rid] = (
+            checks.prompts[tokenized.rid] = (
                 state,
                 tokenized.input_ids,
                 served_greedily(tokenized),
@@ -100,7 +96,7 @@ async def track_request(
         async for item in original(manager, obj, request, *args, **kwargs):
             yield item
         return
-    checks = shadow_checks(manager, _settings(manager))
+    checks = http_state(manager).shadow_checks
     user = not internal_request()
     checks.user_started()
     finished = False

@@ -14,7 +14,7 @@ runs alone (the scheduler batches it with nobody and queues it behind every user
 `chunk_fusion/shadow_request.py`), and when a user request arrives while it runs it is aborted
 and queued again (dropped after three tries). Its rows never enter the prefix tree. Results go
 to `/metrics` (`ShadowCheckMetrics`), to the scheduler's rolling window and agreement target
-(`chunk_fusion/live_fidelity.py`, over the control channel), and to `GET /hicache_ext/shadow_checks`.
+(`tuning/ratio/live_fidelity.py`, over the control channel), and to `GET /hicache_ext/shadow_checks`.
 A check that fails is logged and counted; the checked request was answered long before.
 """
 
@@ -29,16 +29,14 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
 from sglang_hicache_ext.evaluation.token_agreement import Agreement, token_agreement
-from sglang_hicache_ext.sglang_ext.chunk_fusion.live_fidelity import RECORD_METHOD
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import (
     ENABLE_KEY,
     META_KEY,
     SHADOW_KEY,
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.shadow_request import (
+    FIDELITY_RECORD_METHOD,
     SHADOW_PARAM,
     running_shadow_check,
 )
@@ -256,7 +254,7 @@ class ShadowChecks:
         if self.metrics is not None:
             self.metrics.checked(selector, ratio, agreement.token_agreement, agreement.first_token)
         try:
-            await control(RECORD_METHOD, {**result, "counts": dict(self.counts)})
+            await control(FIDELITY_RECORD_METHOD, {**result, "counts": dict(self.counts)})
         except Exception as err:  # noqa: BLE001 - the check ran; only the scheduler's copy is lost
             logger.error("shadow check result of %s not recorded: %s", check.rid, err)
 
@@ -279,30 +277,3 @@ class ShadowChecks:
             "counts": dict(self.counts),
             "recent": list(self.recent),
         }
-
-
-_checks: ShadowChecks | None = None
-
-
-def shadow_checks(manager: Any, settings: ExtensionSettings) -> ShadowChecks:
-    """This HTTP process's checks (one per server)."""
-    global _checks
-    if _checks is None or _checks.manager is not manager:
-        _checks = ShadowChecks(manager, settings)
-    return _checks
-
-
-def current() -> ShadowChecks | None:
-    return _checks
-
-
-async def shadow_checks_status() -> JSONResponse:
-    """The shadow checks of fused answers in this server's HTTP process: the rate, checks
-    waiting for spare capacity, counts (queued, checked, dropped by reason, failed, skipped
-    because sampled) and the latest results (request id, token agreement, first token agreed,
-    ratio and what chose it). The rolling window and the target's ratios are in /server_info
-    (internal_states[i].hicache_ext.fusion.shadow)."""
-    checks = current()
-    if checks is None:
-        return JSONResponse({"rate": None, "pending": 0, "counts": {}, "recent": []})
-    return JSONResponse(checks.status())

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,7 +37,7 @@ from sglang_hicache_ext.tuning.sim.simulator import simulate
 from sglang_hicache_ext.tuning.trace import load_requests
 
 # Fidelity acceptance (issue 5): mean TTFT within 25 %, hit ratio within 5 points, throughput 15 %.
-LIMITS = {"mean_ttft": 0.25, "hit_ratio_points": 0.05, "throughput": 0.15}
+LIMITS = MappingProxyType({"mean_ttft": 0.25, "hit_ratio_points": 0.05, "throughput": 0.15})
 SIM_KEYS = ("mean_ttft_s", "p90_ttft_s", "throughput_tok_s", "makespan_s", "hit_ratio")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from typing import Any, NamedTuple
 
 import requests
@@ -34,7 +34,9 @@ class StreamedGeneration(NamedTuple):
     meta: dict[str, Any]  # the last chunk's meta_info
 
 
-def stream_chunks(url: str, body: Mapping[str, Any], timeout: Timeout) -> Iterator[dict[str, Any]]:
+def stream_chunks(
+    url: str, body: Mapping[str, Any], timeout: Timeout
+) -> Generator[dict[str, Any], None, None]:
     """The JSON chunks of a streamed /generate of `body`, up to `[DONE]`.
 
     Raises `requests.HTTPError` (with the response) for a status other than 200, `StreamError`
@@ -64,7 +66,7 @@ def stream_generate(url: str, body: Mapping[str, Any], timeout: Timeout) -> Stre
     """Stream /generate to its end; `StreamError` also when the server streamed nothing."""
     start = time.perf_counter()
     times: list[float] = []
-    text, meta = "", {}
+    text, meta = "", dict[str, Any]()
     with contextlib.closing(stream_chunks(url, body, timeout)) as chunks:
         for chunk in chunks:
             times.append(time.perf_counter() - start)

@@ -10,7 +10,8 @@ the core does not have (DeepSeek's MLA latents) is refused by name with the reas
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.decoder import SGLangDecoderAdapter
@@ -21,12 +22,14 @@ _ADAPTERS: dict[str, type[SGLangDecoderAdapter]] = {}
 _FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mixtral", "qwen_moe", "gemma")
 
 # Architectures refused with a reason of their own (matched on the MRO too).
-REFUSED: dict[str, str] = {
-    "DeepseekV2ForCausalLM": "DeepSeek's MLA keeps one latent vector per token, a store format "
-    "chunk fusion does not have",
-    "DeepseekV3ForCausalLM": "DeepSeek's MLA keeps one latent vector per token, a store format "
-    "chunk fusion does not have",
-}
+REFUSED: Mapping[str, str] = MappingProxyType(
+    {
+        "DeepseekV2ForCausalLM": "DeepSeek's MLA keeps one latent vector per token, a store format "
+        "chunk fusion does not have",
+        "DeepseekV3ForCausalLM": "DeepSeek's MLA keeps one latent vector per token, a store format "
+        "chunk fusion does not have",
+    }
+)
 
 A = TypeVar("A", bound=type[SGLangDecoderAdapter])
 

@@ -1,7 +1,8 @@
 """The shadow checks' results as the scheduler keeps them (`/server_info`, the target's ratios).
 
-The checks run in the HTTP process (`server/shadow_checks.py`) and send each result here over the
-control channel (`hicache_ext.fidelity.record`). The scheduler keeps the rolling window that
+The checks run in SGLang's HTTP process (`sglang_ext/server/shadow_checks.py`) and send each
+result to the scheduler over the control channel (`hicache_ext.fidelity.record`), which hands it
+here. The scheduler keeps the rolling window that
 `/server_info` reports (`internal_states[i].hicache_ext.fusion.shadow`), feeds the agreement
 target that sets "auto"'s ratio per chunk tier (`tuning/ratio/agreement_target.py`), exports the
 tiers' ratios as a gauge, and logs one line when the window's agreement falls below the target
@@ -14,25 +15,31 @@ import logging
 import statistics
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import extension_metrics
 from sglang_hicache_ext.tuning.ratio.agreement_target import MIN_SAMPLES, AgreementTarget
 
 logger = logging.getLogger(__name__)
 
-RECORD_METHOD = "fidelity.record"  # the control method, after CONTROL_PREFIX
+# Told each tier's ratio whenever the target reads or moves it (the server's gauge).
+RatioObserver = Callable[[str, float], None]
 
 
 class LiveFidelity:
     """Per scheduler process: the latest checks and, with a target, the ratio of each tier."""
 
-    def __init__(self, settings: ExtensionSettings) -> None:
-        target = settings.fusion_target_agreement
-        self.target = AgreementTarget(target) if target is not None else None
-        self._window: deque[dict[str, Any]] = deque(maxlen=settings.fusion_shadow_window)
+    def __init__(
+        self,
+        target: AgreementTarget | None,
+        window: int,
+        on_ratio: RatioObserver | None = None,
+    ) -> None:
+        """`target`: the token-agreement target that moves each tier's ratio (None: the window
+        only); `window`: how many of the latest checks the window averages."""
+        self.target = target
+        self._on_ratio = on_ratio
+        self._window: deque[dict[str, Any]] = deque(maxlen=window)
         self._checks_sent: dict[str, int] = {}  # the HTTP process's counts, as last sent
         self._below = False
         self._lock = threading.Lock()
@@ -41,8 +48,8 @@ class LiveFidelity:
         """The target's ratio for `tier` (see AgreementTarget.ratio)."""
         assert self.target is not None
         ratio = self.target.ratio(tier, floor, start)
-        if (metrics := extension_metrics()) is not None:
-            metrics.target_ratio(tier, ratio)
+        if self._on_ratio is not None:
+            self._on_ratio(tier, ratio)
         return ratio
 
     def record(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,8 +75,8 @@ class LiveFidelity:
                     moved,
                     self.target.target,
                 )
-                if (metrics := extension_metrics()) is not None:
-                    metrics.target_ratio(tier, moved)
+                if self._on_ratio is not None:
+                    self._on_ratio(tier, moved)
         with self._lock:
             self._window.append(check)
             self._checks_sent = counts
