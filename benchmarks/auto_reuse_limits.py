@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 import requests
 from tqdm import tqdm
 
-from benchmarks.smollm2_server import RESULTS, smollm2_server
+from benchmarks.smollm2_server import RESULTS, report_header, smollm2_server, write_report
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     flush_cache,
@@ -245,18 +244,14 @@ def main() -> int:
         },
     }
     report = {
-        "command": "python -m benchmarks.auto_reuse_limits " + " ".join(sys.argv[1:]),
-        "model": "SmolLM2-135M-Instruct",
+        **report_header("benchmarks.auto_reuse_limits"),
         "summary": summary,
         "samples": samples,
         "latency_off_s": off_latency,
         "latency_on_s": on_latency,
         "latency_stream_s": stream_latency,
     }
-    args.out.write_text(json.dumps(report, indent=1))
-    plot(report, args.out.with_suffix(".png"))
-    print(json.dumps(summary, indent=1))
-    return 0
+    return write_report(report, args.out, plot, summary)
 
 
 if __name__ == "__main__":

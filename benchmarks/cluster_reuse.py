@@ -34,7 +34,6 @@ import contextlib
 import json
 import re
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,7 +43,7 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.auto_reuse import traffic_draws
-from benchmarks.smollm2_server import RESULTS, smollm2_path
+from benchmarks.smollm2_server import RESULTS, report_header, smollm2_path, write_report
 from examples.openai_rag import Answer, ask
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import OUTCOMES
 from sglang_hicache_ext.sglang_ext.server.launcher import free_port
@@ -382,18 +381,14 @@ def main() -> int:
     shared = run_cluster(args, True, draws, questions, tokens, kill_at, restart_at)
     per_server = run_cluster(args, False, draws[:kill_at], questions, tokens, None, None)
     report = {
-        "command": "python -m benchmarks.cluster_reuse " + " ".join(sys.argv[1:]),
-        "model": "SmolLM2-135M-Instruct",
+        **report_header("benchmarks.cluster_reuse"),
         "recompute_ratio": "auto" if args.ratio is None else args.ratio,
         "shared": shared,
         "per_server": per_server,
     }
-    args.out.write_text(json.dumps(report, indent=1))
-    plot(report, args.out.with_suffix(".png"))
     keys = ("start_s", "events", "summary", "concurrent")
     brief = {k: {key: v[key] for key in keys} for k, v in report.items() if isinstance(v, dict)}
-    print(json.dumps(brief, indent=1))
-    return 0
+    return write_report(report, args.out, plot, brief)
 
 
 if __name__ == "__main__":

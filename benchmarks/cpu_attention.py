@@ -13,7 +13,6 @@ Medians are reported; the JSON lands in benchmarks/results/cpu_attention.json.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ from benchmarks.smollm2_server import (
     server_benchmark_parser,
     smollm2_server,
     smollm2_tokenizer,
+    write_json,
 )
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache, generate
@@ -125,8 +125,7 @@ def main() -> int:
         "position_cached_over_native_full": runs["torch_position"]["median_cached_ttft_s"]
         / runs["torch_native"]["median_full_ttft_s"],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2)
 
     print(
         f"\n{'backend':<16}{'prompt tok':>11}{'full TTFT':>11}{'cached TTFT':>13}{'cached/full':>13}"

@@ -48,6 +48,7 @@ from sglang_hicache_ext.evaluation.answer_quality import f1_score, normalize_ans
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, prepared_model
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
+from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     flush_cache,
@@ -76,23 +77,6 @@ def custom_params(config: str) -> dict[str, Any]:
     if float(config) == 0:
         return {**params, "fusion_selector": "reuse", "fusion_recompute_ratio": 0.0}
     return {**params, "fusion_recompute_ratio": float(config)}
-
-
-def wait_for_check(url: str, rid: str, timeout_s: float = 900) -> dict[str, Any] | None:
-    """The server's check of request `rid` once it has run (None if it failed or was dropped)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = requests.get(url + "/hicache_ext/shadow_checks", timeout=60).json()
-        for result in status["recent"]:
-            if result["rid"] == rid:
-                return result
-        if not status["pending"] and status["running"] is None:
-            time.sleep(0.5)  # the check may not be queued yet: the answer just arrived
-            status = requests.get(url + "/hicache_ext/shadow_checks", timeout=60).json()
-            if not status["pending"] and status["running"] is None:
-                return next((r for r in status["recent"] if r["rid"] == rid), None)
-        time.sleep(0.1)
-    return None
 
 
 def ask(url: str, ids: list[int], custom: dict[str, Any], stop: list[int]) -> dict[str, Any]:
@@ -135,7 +119,7 @@ def measure_question(
     for config in configs:
         fused = ask(url, ids, custom_params(config), stop)
         rounds = fused["meta"].get("hicache_ext_fusion") or [{}]
-        check = wait_for_check(url, str(fused["meta"]["id"]))
+        check = wait_for_shadow_check(url, str(fused["meta"]["id"]))
         row["configs"][config] = {
             "answer": fused["text"],
             "ttft_s": fused["ttft_s"],

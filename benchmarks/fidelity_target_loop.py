@@ -38,12 +38,13 @@ from typing import Any
 import requests
 from tqdm import tqdm
 
-from benchmarks.fidelity_live import ask, wait_for_check
+from benchmarks.fidelity_live import ask
 from benchmarks.fusion_quality import chat_prefix, chatml_prompt
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
+from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
 
@@ -99,7 +100,7 @@ def run_loop(
         ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
         fused = ask(url, ids, {"fusion": True}, stop)
         info = (fused["meta"].get("hicache_ext_fusion") or [{}])[-1]
-        check = wait_for_check(url, str(fused["meta"]["id"]))
+        check = wait_for_shadow_check(url, str(fused["meta"]["id"]))
         steps.append(
             {
                 "qid": example.qid,

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -54,7 +53,7 @@ from benchmarks.fusion_speed import build_prompts
 from benchmarks.prefill_flops import DecoderShape, PrefillWork, fused_work, normal_work
 from benchmarks.retention_methods import parse_method
 from benchmarks.smollm2_in_process import load_smollm2
-from benchmarks.smollm2_server import MODEL, RESULTS
+from benchmarks.smollm2_server import MODEL, RESULTS, write_json
 from benchmarks.stage_timer import StageTimer
 from sglang_hicache_ext.fusion import adapter as adapter_module
 from sglang_hicache_ext.fusion import executor as installed_executor
@@ -379,8 +378,7 @@ def main() -> int:
         "summary": summary,
         "prompts": per_prompt,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2)
     print_table(summary, modes)
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; {args.out}")
     return 0

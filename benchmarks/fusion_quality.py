@@ -21,7 +21,7 @@ import sys
 
 from tqdm import tqdm
 
-from benchmarks.smollm2_server import MODEL, server_benchmark_parser, smollm2_server
+from benchmarks.smollm2_server import MODEL, server_benchmark_parser, smollm2_server, write_json
 from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity, f1_score
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
@@ -199,8 +199,7 @@ def main() -> int:
                 rows, table, args.documents, summary=complete and (last or len(rows) % 10 == 0)
             )
             report["normal_answers_not_reproduced_on_resume"] = mismatches
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            write_json(args.out, report, indent=2)
             tqdm.write(
                 f"[{index + 1}/{args.questions}] {row['prompt_tokens']} tokens"
                 + (f", normal answers not reproduced so far: {mismatches}" if done else "")
@@ -208,7 +207,7 @@ def main() -> int:
     if report and "summary" not in report:
         report = _report(rows, table, args.documents, summary=True)
         report["normal_answers_not_reproduced_on_resume"] = mismatches
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report, indent=2)
     if not report:
         print("nothing left to measure")
         return 0

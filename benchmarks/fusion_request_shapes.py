@@ -24,7 +24,6 @@ timings erratic (the JSON records the value).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ from benchmarks.smollm2_server import (
     server_benchmark_parser,
     smollm2_server,
     smollm2_tokenizer,
+    write_json,
 )
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
@@ -277,8 +277,7 @@ def main() -> int:
     if "in_process" not in args.skip:
         threads = args.threads or os.cpu_count() or 1
         report["in_process_batch"] = measure_in_process(args.repeats, args.concurrent, threads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2)
     print(f"results: {args.out}")
     return 0
 

@@ -11,7 +11,6 @@ JSON in benchmarks/results/fusion_speed.json.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import sys
@@ -25,6 +24,7 @@ from benchmarks.smollm2_server import (
     server_benchmark_parser,
     smollm2_server,
     smollm2_tokenizer,
+    write_json,
 )
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
@@ -117,8 +117,7 @@ def main() -> int:
         "ratio_to_normal": {mode: medians[mode] / medians["normal"] for mode in MODES},
         "prompts": details,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2)
     print(f"\n{'mode':<12}{'median TTFT':>13}{'x normal':>10}")
     for mode in MODES:
         print(f"{mode:<12}{medians[mode]:>12.2f}s{report['ratio_to_normal'][mode]:>10.3f}")

@@ -46,6 +46,7 @@ from benchmarks.smollm2_server import (
     server_benchmark_parser,
     smollm2_server,
     smollm2_tokenizer,
+    write_json,
 )
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
@@ -221,8 +222,7 @@ def main() -> int:
         "ttft_method": "client latency of /generate with max_new_tokens=1, after /flush_cache",
         "tiers": {tier: results[tier] for tier in TIERS if tier in results},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, indent=1)
     print(f"results: {args.out}; plot: {plot_fusion_tiers(args.out, args.out.with_suffix('.png'))}")
     return 0
 

@@ -31,12 +31,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.fidelity_live import ask, wait_for_check
+from benchmarks.fidelity_live import ask
 from benchmarks.fidelity_target_loop import chat_model, loop_questions, register
 from benchmarks.fusion_quality import chatml_prompt
 from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
+from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 
 
@@ -89,7 +90,7 @@ def run_arm(
                 ids = tokenizer.encode(prompt, add_special_tokens=False)
                 fused = ask(config.url, ids, {"fusion": True}, stop)
                 info = (fused["meta"].get("hicache_ext_fusion") or [{}])[-1]
-                check = wait_for_check(config.url, str(fused["meta"]["id"]))
+                check = wait_for_shadow_check(config.url, str(fused["meta"]["id"]))
                 rows.append(
                     {
                         "qid": example.qid,

@@ -7,8 +7,10 @@ that `benchmarks` imports; prepare the model first (`make models`).
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -53,3 +55,26 @@ def server_benchmark_parser(doc: str, result_name: str) -> argparse.ArgumentPars
         "--repeats", type=int, default=5, help="prompts measured; medians over them"
     )
     return parser
+
+
+def write_json(path: Path, value: Any, indent: int = 1) -> None:
+    """`value` as JSON (with `indent`, a final newline) in `path`, its folder created."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=indent) + "\n")
+
+
+def report_header(module: str) -> dict[str, str]:
+    """The first keys of a report of benchmark `module` ("benchmarks.auto_reuse"): the command
+    line it ran as and the model it measured."""
+    return {"command": f"python -m {module} " + " ".join(sys.argv[1:]), "model": MODEL}
+
+
+def write_report(
+    report: dict[str, Any], out: Path, plot: Callable[[dict[str, Any], Path], object], brief: Any
+) -> int:
+    """Write `report` to `out` as JSON, draw it beside (`plot(report, out.png)`) and print
+    `brief` (what the run shows at a glance) as JSON; the benchmark's exit status, 0."""
+    out.write_text(json.dumps(report, indent=1))
+    plot(report, out.with_suffix(".png"))
+    print(json.dumps(brief, indent=1))
+    return 0

@@ -16,7 +16,6 @@ the first prompt, fused once untimed, takes it.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.fusion_speed import build_prompts, ttft
-from benchmarks.smollm2_server import server_benchmark_parser
+from benchmarks.smollm2_server import server_benchmark_parser, write_json
 from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, QWEN_CODER, prepared_model
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
 from sglang_hicache_ext.sglang_ext.server.launcher import (
@@ -133,8 +132,7 @@ def main() -> int:
         "tp2_ratio_over_tp1_ratio": relative,
         "within_10_percent": abs(relative - 1) <= 0.10,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2)
     print(tensor_parallel_table(report))
     print(f"results: {args.out}")
     return 0

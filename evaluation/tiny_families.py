@@ -7,12 +7,16 @@ them in process, and `scripts/prepare_models.py` saves the ones SGLang's CPU eng
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from typing import Any
 
 # A window this short is crossed by every multi-chunk test prompt.
 TEST_WINDOW = 24
 
-_COMMON: dict[str, Any] = dict(
+# What every tiny random config shares: these families' and the tiny Llama and Qwen2 of
+# `scripts/prepare_models.py` (`tiny_config`).
+TINY_CONFIG: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,
@@ -21,9 +25,9 @@ _COMMON: dict[str, Any] = dict(
     max_position_embeddings=4096,
     bos_token_id=1,
     eos_token_id=0,
-    pad_token_id=0,
     torch_dtype="float32",
 )
+_COMMON: dict[str, Any] = dict(TINY_CONFIG, pad_token_id=0)
 
 # family -> (the SGLang architecture it is served as, what sets it apart)
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -45,6 +49,30 @@ NOT_SERVED_ON_CPU: dict[str, str] = {
     "(fused_gate_sigmoid_mul_add) with no CPU driver: 'RuntimeError: 0 active drivers ([]). "
     "There should only be one.' at the server's warm-up",
 }
+
+# The words of the filler documents the tiny models are served (any text fits random weights).
+FILLER_WORDS: tuple[str, ...] = (
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "river",
+    "stone",
+    "cloud",
+    "paper",
+    "window",
+    "garden",
+    "silver",
+    "orange",
+    "quiet",
+)
+
+
+def filler_documents(seed: int = 0, words: Sequence[str] = FILLER_WORDS) -> list[str]:
+    """Three documents of 30, 26 and 22 words drawn from `words` (seeded: the same each run),
+    each ending in a full stop: what the tiny-family checks register and fuse."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(n)) + "." for n in (30, 26, 22)]
 
 
 def family_config(family: str, vocab_size: int = 1024) -> Any:

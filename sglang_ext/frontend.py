@@ -11,6 +11,7 @@ every `/generate` body it sends while a `fusion(...)` block is active.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,6 +51,27 @@ def register_documents(
         body = response.json()
         registered.append(RegisteredChunk(body["id"], body["num_tokens"], body["created"]))
     return registered
+
+
+def wait_for_shadow_check(url: str, rid: str, timeout_s: float = 900.0) -> dict[str, Any] | None:
+    """The server's shadow check of request `rid` (its entry of `GET /hicache_ext/shadow_checks`
+    "recent") once it has run. None when the check queue is idle without it (the check failed
+    or was dropped), or after `timeout_s`. Checks run while the server is idle of user
+    requests, so this may wait for other traffic to end."""
+    status_url = url.rstrip("/") + "/hicache_ext/shadow_checks"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = requests.get(status_url, timeout=60).json()
+        for result in status["recent"]:
+            if result["rid"] == rid:
+                return result
+        if not status["pending"] and status["running"] is None:
+            time.sleep(0.5)  # the check may not be queued yet: the answer just arrived
+            status = requests.get(status_url, timeout=60).json()
+            if not status["pending"] and status["running"] is None:
+                return next((r for r in status["recent"] if r["rid"] == rid), None)
+        time.sleep(0.1)
+    return None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.tiers.chunks import disk_tier
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader
 
 
 def make_chunk(
@@ -47,6 +48,18 @@ def assert_same(stored: ChunkTensors, b: PrecomputedChunk) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y)
 
 
+def _stored_chunk(
+    tmp_path: Path, seed: int
+) -> tuple[ChunkDiskTier, PrecomputedChunk, ChunkFileHeader]:
+    """A tier in `tmp_path` holding `make_chunk(seed)`, and the header it stored for it."""
+    tier = ChunkDiskTier(tmp_path, 10**8)
+    chunk = make_chunk(seed)
+    tier.put(chunk.content_hash, chunk)
+    header = tier.header(chunk.content_hash)
+    assert header is not None
+    return tier, chunk, header
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_round_trip_is_exact(tmp_path: Path, dtype: torch.dtype) -> None:
     tier = ChunkDiskTier(tmp_path, 10**8)
@@ -61,12 +74,8 @@ def test_round_trip_is_exact(tmp_path: Path, dtype: torch.dtype) -> None:
 
 
 def test_sparse_read_returns_exactly_the_rows_and_reads_only_them(tmp_path: Path) -> None:
-    tier = ChunkDiskTier(tmp_path, 10**8)
-    chunk = make_chunk(2)
+    tier, chunk, header = _stored_chunk(tmp_path, 2)
     key = chunk.content_hash
-    tier.put(key, chunk)
-    header = tier.header(key)
-    assert header is not None
     rows = sorted(random.Random(0).sample(range(chunk.num_tokens), 40))  # 85 % kept
     layers = tier.read_layers(key, rows)
     dense = tier.read_layers(key, None)
@@ -88,12 +97,8 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 
 def test_a_flipped_bit_is_never_served(tmp_path: Path) -> None:
-    tier = ChunkDiskTier(tmp_path, 10**8)
-    chunk = make_chunk(3)
+    tier, chunk, header = _stored_chunk(tmp_path, 3)
     key = chunk.content_hash
-    tier.put(key, chunk)
-    header = tier.header(key)
-    assert header is not None
     # Corrupt V row 5 of layer 1: a sparse read that skips it is still served (and verified) ...
     _flip_byte(tmp_path / f"{key}.chunk", header.value_offset(1) + 5 * header.value_row_bytes + 3)
     skipping = [r for r in range(chunk.num_tokens) if r != 5]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import requests
 
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
+from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
 
 pytestmark = pytest.mark.server
@@ -316,7 +316,8 @@ def test_a_shadow_checks_rows_serve_the_same_documents_later(
     first = ask([1, 0], "Question: who is named first?", **fused, fusion_shadow=True)
     (meta,) = first["meta_info"]["hicache_ext_fusion"]
     assert meta["fused"] is True and meta["chunk_prefixes"]["in_context"] == 0
-    _check_result(url, first["meta_info"]["id"])
+    checked = wait_for_shadow_check(url, first["meta_info"]["id"], timeout_s=300)
+    assert checked is not None, f"the check of {first['meta_info']['id']} did not run"
     kept = _stats(url)["context_variants"]
     assert kept["kept"] >= 2, kept
 
@@ -339,18 +340,6 @@ def test_a_shadow_checks_rows_serve_the_same_documents_later(
     assert dropped["variants"] <= used["variants"] - 2, dropped
     metrics = requests.get(url + "/metrics", timeout=30).text
     assert "sglang:hicache_ext_fusion_context_variants_total{" in metrics
-
-
-def _check_result(url: str, rid: str, timeout_s: float = 300) -> dict[str, Any]:
-    """The shadow check of `rid` once it has run (checks wait for the server to be idle)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        checks = requests.get(url + "/hicache_ext/shadow_checks", timeout=30).json()
-        for result in checks["recent"]:
-            if result["rid"] == rid:
-                return result
-        time.sleep(0.2)
-    raise AssertionError(f"the check of {rid} did not run")
 
 
 def test_restart_keeps_captured_documents(auto_server: AutoServer, corpus: list[str]) -> None:

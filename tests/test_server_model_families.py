@@ -10,7 +10,6 @@ no adapter, are at the end.
 from __future__ import annotations
 
 import json
-import random
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,12 @@ import pytest
 import requests
 
 from sglang_hicache_ext.evaluation.model_paths import prepared_model, tiny_family_dir
-from sglang_hicache_ext.evaluation.tiny_families import FAMILIES, NOT_SERVED_ON_CPU, TEST_WINDOW
+from sglang_hicache_ext.evaluation.tiny_families import (
+    FAMILIES,
+    NOT_SERVED_ON_CPU,
+    TEST_WINDOW,
+    filler_documents,
+)
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     flush_cache,
@@ -29,27 +33,6 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
 )
 
 pytestmark = pytest.mark.server
-
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "river",
-    "stone",
-    "cloud",
-    "paper",
-    "window",
-    "garden",
-    "silver",
-    "orange",
-    "quiet",
-]
-
-
-def _documents(seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(n)) + "." for n in (30, 26, 22)]
 
 
 def _generate(url: str, prompt: str, **custom: object) -> dict:
@@ -95,7 +78,7 @@ def family_server(
 def test_family_fuses_exactly(family_server: tuple[str, ServerConfig]) -> None:
     family, server = family_server
     url = server.url
-    docs = _documents()
+    docs = filler_documents()
     for doc in docs:
         response = requests.post(url + "/chunks", json={"text": doc}, timeout=120)
         assert response.status_code == 200, response.text
@@ -144,7 +127,7 @@ def test_gate_switches_fusion_off_for_a_model_its_adapter_does_not_reproduce(
     }
     for server in _serve(stretched_llama, tmp_path, ("--enable-metrics",), **env):
         url = server.url
-        docs = _documents(seed=1)
+        docs = filler_documents(seed=1)
         for doc in docs:
             assert (
                 requests.post(url + "/chunks", json={"text": doc}, timeout=120).status_code == 200
@@ -188,7 +171,7 @@ def test_windowed_family_concurrent_and_split_by_chunked_prefill(
     """Three prompts (the documents in three orders), each split into 4+ prefill rounds, fused
     at r = 1 all at once: each is its own normal prefill, one by one."""
     url = gemma3_in_rounds.url
-    docs = _documents(seed=2)
+    docs = filler_documents(seed=2)
     for doc in docs:
         assert requests.post(url + "/chunks", json={"text": doc}, timeout=120).status_code == 200
     prompts = [

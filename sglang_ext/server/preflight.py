@@ -68,19 +68,30 @@ def check_disk_tier(server_args: Any) -> None:
         )
     # Claimed here, held by this (launching) process for its lifetime: a second server on the
     # same folder stops now, in one line, instead of in its scheduler after loading the model.
+    _claim_server_dir("disk_dir", settings.disk_dir)
+
+
+def _claim_server_dir(field: str, path: str | Path, *, probe_write: bool = False) -> None:
+    """Claim the folder of setting `field` for this server (`hold_disk_dir`: created, held by
+    this process for its lifetime, one server per folder); with `probe_write`, also write a
+    temporary file in it (a read-only mount, a full disk). Raises PreflightError naming `field`:
+    the folder held by another server (which process), or any OSError."""
     from sglang_hicache_ext.sglang_ext.disk_tier.dir_claim import hold_disk_dir
     from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
 
     try:
-        hold_disk_dir(settings.disk_dir)
+        hold_disk_dir(path)
+        if probe_write:
+            with tempfile.TemporaryFile(dir=path):
+                pass
     except DirectoryLockedError as err:
         holder = f"process {err.holder_pid}" if err.holder_pid is not None else "another process"
         raise PreflightError(
-            f"disk_dir {err.directory} is in use by another server ({holder}); stop it or "
-            "give this server another disk_dir"
+            f"{field} {err.directory} is in use by another server ({holder}); stop it or "
+            f"give this server another {field}"
         ) from err
     except OSError as err:
-        raise PreflightError(f"disk_dir {settings.disk_dir}: cannot claim it ({err})") from err
+        raise PreflightError(f"{field} {path}: cannot use it ({err.strerror or err})") from err
 
 
 def check_chunk_disk(settings: ExtensionSettings) -> None:
@@ -91,21 +102,7 @@ def check_chunk_disk(settings: ExtensionSettings) -> None:
     name = f"chunk_disk_dir {path}"
     if path.exists() and not path.is_dir():
         raise PreflightError(f"{name} is not a directory")
-    from sglang_hicache_ext.sglang_ext.disk_tier.dir_claim import hold_disk_dir
-    from sglang_hicache_ext.tiers.dir_lock import DirectoryLockedError
-
-    try:
-        hold_disk_dir(path)  # creates it; one server per directory, as for disk_dir
-        with tempfile.TemporaryFile(dir=path):  # writable in fact (a read-only mount, a full disk)
-            pass
-    except DirectoryLockedError as err:
-        holder = f"process {err.holder_pid}" if err.holder_pid is not None else "another process"
-        raise PreflightError(
-            f"{name} is in use by another server ({holder}); stop it or give this server "
-            "another chunk_disk_dir"
-        ) from err
-    except OSError as err:
-        raise PreflightError(f"{name}: cannot use it ({err.strerror or err})") from err
+    _claim_server_dir("chunk_disk_dir", path, probe_write=True)  # one server each, as disk_dir
 
 
 def check_chunk_mooncake(settings: ExtensionSettings) -> None:
