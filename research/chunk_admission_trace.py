@@ -76,7 +76,7 @@ def run_lru(
                     break
                 victims.append(victim)
                 freed += sizes[victim]
-            if gate is not None and not all(gate.admit(key, v) for v in victims):
+            if gate is not None and not gate.admit(key, victims):
                 continue
             for victim in victims:
                 del held[victim]

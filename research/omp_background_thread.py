@@ -1,6 +1,6 @@
 """Does a background thread that ran torch ops slow the scheduler thread's own ops?
 
-One question behind `ShortLivedWorker` (`sglang_ext/chunk_fusion/auto_capture.py`): the time of
+One question behind `ShortLivedWorker` (`tiers/short_lived_worker.py`): the time of
 2,000 small element-wise ops (each one OpenMP parallel region on this CPU torch) on the main
 thread, before any other thread ran a torch op, after a thread that ran one op ended, while a
 `ThreadPoolExecutor` thread that ran one op is still alive (idle), and after a
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import ShortLivedWorker
+from sglang_hicache_ext.tiers.short_lived_worker import ShortLivedWorker
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -45,6 +45,7 @@ from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import (
     process_metrics,
 )
 from sglang_hicache_ext.sglang_ext.radix_cache import cache_class
+from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
 from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier
@@ -98,12 +99,19 @@ def _fusion_service(
         rope = layer_rope_specs(ctx.model_config.hf_config)
     except (ValueError, AttributeError, KeyError) as err:
         return None, f"cannot recover RoPE positions for this model: {err}"
-    registry = _chunk_registry(ctx, settings, tp, rope, metrics)
+    # Only pieces kept from traffic compete for host memory by frequency; registered chunks
+    # are admitted always, so without auto_chunks there is nothing to decide.
+    admission = (
+        FrequencyAdmission.for_entries(settings.chunk_admission_sketch_entries)
+        if settings.auto_chunks and settings.chunk_admission == "frequency"
+        else None
+    )
+    registry = _chunk_registry(ctx, settings, tp, rope, metrics, admission)
     auto_capture = None
     if settings.auto_chunks:
         # The preflight refuses auto_chunks with --skip-tokenizer-init: the scheduler has one.
         auto_capture = AutoCapture.for_settings(
-            settings, registry, break_token_ids(ctx.tp_worker.tokenizer), tp, metrics
+            settings, registry, break_token_ids(ctx.tp_worker.tokenizer), tp, metrics, admission
         )
     runner = ctx.tp_worker.model_runner
     service = FusionService(
@@ -136,6 +144,7 @@ def _chunk_registry(
     tp: TensorParallel,
     rope: LayerRopes,
     metrics: ExtensionMetrics | None,
+    admission: FrequencyAdmission | None,
 ) -> ChunkRegistry:
     """The registry over host memory and the tiers `chunk_tier_names` lists below it.
 
@@ -165,6 +174,7 @@ def _chunk_registry(
         if settings.fusion_shadow_refresh
         else None,
         metrics=metrics,
+        admission=admission,
     )
 
 

@@ -24,6 +24,8 @@ SCHEDULER_PARTS = {
     "AutoCapture.for_settings": {"assembly.py"},
     "AutoCapture": set(),  # through AutoCapture.for_settings
     "ModelCheck": {"assembly.py"},
+    "FrequencyAdmission.for_entries": {"assembly.py"},
+    "FrequencyAdmission": set(),  # through FrequencyAdmission.for_entries
     "SelfTunedRatios.for_model": {"assembly.py"},
     "LiveFidelity": {"assembly.py"},
     "process_metrics": {"assembly.py"},

@@ -1,5 +1,6 @@
 """`AutoCapture` in process, over a stand-in for SGLang's KV pool: pieces prepared on the
-background thread are the pieces prepared inline, and a prompt waits only for its own pieces."""
+background thread are the pieces prepared inline, a prompt waits only for its own pieces, and
+under memory pressure one-offs do not take a popular document's place."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from sglang_hicache_ext.fusion.chunk import chunk_hash
 from sglang_hicache_ext.fusion.frequency import layer_frequency_scores
 from sglang_hicache_ext.fusion.rope import RopeSpec, apply_rope
 from sglang_hicache_ext.radix.segments import SegmentRule
-from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture, ShortLivedWorker
+from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
+from sglang_hicache_ext.tiers.short_lived_worker import ShortLivedWorker
 
 LAYERS, HEADS, DIM = 3, 2, 16
 BREAK = 0
@@ -173,3 +176,30 @@ def test_a_forward_off_the_cpu_does_not_wait_for_pending_pieces() -> None:
     capture.before_forward()  # the gate is shut: returns at once
     assert len(capture._jobs) == 1 and not capture._jobs[0][0].done()
     gate.set()
+
+
+@pytest.mark.parametrize("admission", [True, False], ids=["frequency", "lru"])
+def test_a_one_off_does_not_push_a_popular_document_out(admission: bool) -> None:
+    """Host memory with room for two pieces; a popular document beside a new one-off in every
+    prompt. By frequency the one-offs are refused before their rows are copied (nothing
+    prepared); by recency each evicts the popular document, which is computed again."""
+    per_piece = 40 * LAYERS * 2 * HEADS * DIM * 4  # dense fp32 rows of a 40-token piece
+    gate = FrequencyAdmission.for_entries(64) if admission else None
+    registry = ChunkRegistry(2 * per_piece + 4096, SPEC, admission=gate)
+    capture = AutoCapture(
+        registry, frozenset({BREAK}), SegmentRule(32, 512, 256), 600, None, admission=gate
+    )
+    pool = _Pool(400, seed=8)
+    popular, *one_offs = _docs(5, seed=9)
+    for number, once in enumerate(one_offs):
+        _run(capture, pool, f"r{number}", _prompt([popular, once]))
+        capture.settle(wait=True)
+    kept = chunk_hash(popular) in registry.store
+    counts = capture.stats()
+    if admission:
+        assert kept and chunk_hash(one_offs[0]) in registry.store  # the free bytes: anyone's
+        assert counts["refused"] == 3 and counts["captured"] == 2
+        assert registry.stats()["refused_by_frequency"] == 0  # refused before any copy
+    else:
+        assert not kept and counts["refused"] == 0
+        assert counts["captured"] >= 4  # the popular document computed and kept again

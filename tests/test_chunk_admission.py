@@ -1,8 +1,10 @@
-"""The frequency sketch behind chunk admission (tiers/chunks/admission.py), without SGLang."""
+"""Chunk admission without SGLang: the frequency sketch (tiers/chunks/admission.py) and host
+memory's admission by it (tiers/chunks/host_cache.py)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 
@@ -10,6 +12,11 @@ from sglang_hicache_ext.tiers.chunks.admission import (
     MAX_COUNT,
     FrequencyAdmission,
     FrequencySketch,
+)
+from sglang_hicache_ext.tiers.chunks.host_cache import (
+    HostCacheFullError,
+    HostChunkCache,
+    NotAdmittedError,
 )
 
 
@@ -43,8 +50,8 @@ def test_popular_documents_outrank_a_long_tail_of_one_offs() -> None:
     seen_often = popular[:10]
     assert min(sketch.estimate(k) for k in seen_often) >= 3
     admission = FrequencyAdmission(sketch)
-    assert all(admission.admit(k, recent[0]) for k in seen_often)
-    assert not admission.admit(recent[1], seen_often[0])
+    assert all(admission.admit(k, [recent[0]]) for k in seen_often)
+    assert not admission.admit(recent[1], [recent[2], seen_often[0]])
     assert (admission.admitted, admission.refused) == (10, 1)
 
 
@@ -87,3 +94,56 @@ def test_state_survives_a_restart_and_refuses_foreign_bytes() -> None:
 def test_bad_sizes_are_refused(width: int, door: int, sample: int) -> None:
     with pytest.raises(ValueError):
         FrequencySketch(width=width, doorkeeper_bits=door, sample_size=sample)
+
+
+@dataclass(frozen=True)
+class _Blob:
+    nbytes: int
+
+
+def _host(capacity: int) -> HostChunkCache[_Blob]:
+    return HostChunkCache(capacity, FrequencyAdmission.for_entries(64))
+
+
+def test_host_memory_keeps_the_popular_chunk_against_a_one_off() -> None:
+    host = _host(100)
+    assert host.admission is not None
+    for _ in range(3):
+        host.admission.record("popular")
+    host.admission.record("once")
+    host.put("popular", _Blob(60), by_frequency=True)  # fits in the free bytes: no contest
+    assert host.would_admit("once", 60) is False  # would evict a chunk seen three times
+    with pytest.raises(NotAdmittedError, match="seen no more often"):
+        host.put("once", _Blob(60), by_frequency=True)
+    assert "popular" in host and "once" not in host
+    host.put("small", _Blob(40), by_frequency=True)  # the free bytes are anyone's
+    # A registration is explicit: admitted whatever its count, LRU evicting for it.
+    assert host.put("registered", _Blob(60)) == ["popular"]
+    stats = host.stats()
+    assert (stats.refused_by_frequency, stats.admitted_by_frequency, stats.evictions) == (1, 0, 1)
+
+
+def test_a_piece_seen_more_often_than_every_victim_takes_their_place() -> None:
+    host = _host(100)
+    assert host.admission is not None
+    for key, sights in (("a", 1), ("b", 2), ("hot", 3)):
+        for _ in range(sights):
+            host.admission.record(key)
+    host.put("a", _Blob(50), by_frequency=True)
+    host.put("b", _Blob(50), by_frequency=True)
+    # Needs both places: b was seen twice, hot three times; hot wins both.
+    assert host.would_admit("hot", 100)
+    assert host.put("hot", _Blob(100), by_frequency=True) == ["a", "b"]
+    host.pin("hot")  # a pinned chunk is no victim: nothing can make room
+    host.admission.record("hotter")
+    assert host.would_admit("hotter", 10) is False
+    with pytest.raises(HostCacheFullError, match="pinned"):
+        host.put("hotter", _Blob(10), by_frequency=True)
+    assert host.stats().admitted_by_frequency == 1
+
+
+def test_without_admission_every_piece_evicts_by_recency() -> None:
+    host: HostChunkCache[_Blob] = HostChunkCache(100)  # chunk_admission: "lru"
+    host.put("a", _Blob(60), by_frequency=True)
+    assert host.would_admit("b", 60)
+    assert host.put("b", _Blob(60), by_frequency=True) == ["a"]

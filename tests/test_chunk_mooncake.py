@@ -16,8 +16,9 @@ from sglang_hicache_ext.fusion.rope import RopeSpec
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_listing import describe_chunk, list_chunks
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import MooncakeMaster, running_master
-from sglang_hicache_ext.tiers.chunks.chunk_tiers import MOONCAKE, ChunkSummary, ChunkTiers
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import MOONCAKE, ChunkTiers
 from sglang_hicache_ext.tiers.chunks.dense_file import encode_chunk
+from sglang_hicache_ext.tiers.chunks.header import ChunkSummary
 from sglang_hicache_ext.tiers.chunks.host_cache import HostChunkCache
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
 from sglang_hicache_ext.tiers.chunks.remote_catalog import ChunkCatalog

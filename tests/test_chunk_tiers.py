@@ -18,8 +18,9 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import pinned_chun
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.tiers.chunks import disk_tier
-from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkSummary, ChunkTiers
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkTiers
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.header import ChunkSummary
 from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
 from sglang_hicache_ext.tiers.chunks.tier import chunk_namespace
 from tests.test_chunk_disk import make_chunk

@@ -14,10 +14,17 @@ Only rows the model computed for this prompt are kept: in a fused prefill the pi
 a reused chunk hold recovered rows, so only pieces computed whole are taken. At most
 `auto_chunks_per_minute` pieces are kept per minute; pieces over the cap are counted, not kept.
 
+Under memory pressure (`chunk_admission: "frequency"`) a piece must win its place: every sight
+of a piece, and of each stored chunk a prompt holds, is recorded in a frequency sketch, and a
+piece that does not fit in host memory's free bytes is kept only when it was seen more often
+than each chunk its eviction would drop (`tiers/chunks/admission.py`). The question is asked
+before its rows are copied out, so a piece that would be refused costs nothing but a count
+("refused"); it is asked again when the piece is stored, where the answer counts.
+
 What the scheduler thread pays: cutting the prompt, matching it, and one copy of the kept
 pieces' rows out of the pool (they are the pool's only until then). Rotating the keys back,
 scoring and copying each piece out run in the background, one prompt's pieces at a time, each
-on a thread that ends with them (`ShortLivedWorker` says why), so the request that brought the
+on a thread that ends with them (`tiers/short_lived_worker.py` says why), so the request that brought the
 documents answers without waiting for them; on CPU the next forward waits for what is left of
 them (`before_forward` says why). Finished pieces are stored and indexed on the
 scheduler thread, where every other reader of the registry runs: when a later request is
@@ -31,12 +38,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import cachetools
 import numpy as np
@@ -48,10 +54,13 @@ from sglang_hicache_ext.fusion.rope import LayerRopes, unrotate_layers
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
 from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
 from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
-from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import gather_rows
+from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import bytes_per_token, layer_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
+from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
+from sglang_hicache_ext.tiers.chunks.host_cache import NotAdmittedError
+from sglang_hicache_ext.tiers.short_lived_worker import ShortLivedWorker
 
 logger = logging.getLogger(__name__)
 
@@ -60,43 +69,15 @@ logger = logging.getLogger(__name__)
 _COVERED = 0.9
 _SEEN_REQUESTS = 4096  # the tree checkpoints a request more than once at its full length
 _WINDOW_S = 60.0
-OUTCOMES = ("captured", "covered", "over_cap", "not_computed", "failed", "ranks_disagree")
-_T = TypeVar("_T")
-
-
-class ShortLivedWorker:
-    """Runs jobs one at a time, in order, each on a thread of its own that ends with the job.
-
-    Why not a `ThreadPoolExecutor`: a thread that stays alive after running torch ops keeps its
-    OpenMP team, and libgomp, counting more threads than cores, then makes every team stop
-    spinning between parallel regions, so each of a forward's thousands of regions wakes its
-    workers through the kernel. Measured on SmolLM2-135M (CPU, 2 cores): a capturing server's
-    scheduler made 4,500 voluntary context switches a prompt with a pool thread, 1,600 with
-    threads that end (1,500 keeping nothing; docs/auto-chunks.md). A thread that ends frees its
-    team; a job's thread waits for the one before it, so jobs still finish in order."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._last: threading.Thread | None = None
-
-    def submit(self, job: Callable[..., _T], *args: Any) -> Future[_T]:
-        future: Future[_T] = Future()
-        previous = self._last
-
-        def run() -> None:
-            if previous is not None:
-                previous.join()
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(job(*args))
-            except BaseException as err:  # handed to whoever reads the future
-                future.set_exception(err)
-
-        # A daemon: a server stopping mid-job does not wait for pieces nobody will store.
-        self._last = threading.Thread(target=run, name=self._name, daemon=True)
-        self._last.start()
-        return future
+OUTCOMES = (
+    "captured",
+    "covered",
+    "over_cap",
+    "not_computed",
+    "refused",
+    "failed",
+    "ranks_disagree",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +140,13 @@ class AutoCapture:
         background: bool = True,
         tp: TensorParallel | None = None,
         metrics: ExtensionMetrics | None = None,
+        admission: FrequencyAdmission | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
+        # The sketch host memory's admission reads (the registry's, handed in by the assembly):
+        # sights are recorded here, where prompts are cut into pieces.
+        self.admission = admission
         # Under --tp-size N each rank keeps its shard of the same pieces: the ranks' choices
         # (their clocks for the cap) are compared before anything is kept.
         self._tp = tp or TensorParallel()
@@ -194,6 +179,7 @@ class AutoCapture:
         breaks: frozenset[int],
         tp: TensorParallel | None = None,
         metrics: ExtensionMetrics | None = None,
+        admission: FrequencyAdmission | None = None,
     ) -> AutoCapture:
         rule = SegmentRule(
             settings.auto_chunk_min_tokens,
@@ -218,6 +204,7 @@ class AutoCapture:
             background=tp.size == 1,
             tp=tp,
             metrics=metrics,
+            admission=admission,
         )
 
     def capture(
@@ -241,13 +228,26 @@ class AutoCapture:
         if not pieces:
             return 0
         covered = np.zeros(len(tokens), dtype=bool)
+        sighted: set[str] = set()  # this prompt's sights: the chunks it holds, its pieces
         for match in self.registry.find(tokens):  # other servers' pieces too: kept once
             covered[match.prompt_start : match.prompt_end] = True
+            sighted.add(match.chunk_id)
+        spans = [(start, end, chunk_hash(tokens[start:end])) for start, end in pieces]
+        shares = [float(covered[start:end].mean()) for start, end, _ in spans]
+        sighted.update(
+            chunk_id
+            for (_, _, chunk_id), share in zip(spans, shares, strict=True)
+            if share < _COVERED
+        )
+        if self.admission is not None:  # recorded before any piece is judged by them
+            for chunk_id in sorted(sighted):
+                self.admission.record(chunk_id)
         todo: list[tuple[int, int, str]] = []
         todo_ids: set[str] = set()
-        for start, end in pieces:
-            chunk_id = chunk_hash(tokens[start:end])
-            share = float(covered[start:end].mean())
+        # Dense: a codec stores fewer, so admission weighs a piece as larger than it is (refuses
+        # rather than admits wrongly).
+        row_bytes = bytes_per_token(kv_pool) if self.admission is not None else 0
+        for (start, end, chunk_id), share in zip(spans, shares, strict=True):
             # Stored already, being prepared, or earlier in this prompt: also a chunk the index
             # cannot match (its anchors are too common, e.g. one token repeated).
             if (
@@ -259,6 +259,10 @@ class AutoCapture:
                 self._count("covered", end - start)
             elif fused and share > 0:
                 self._count("not_computed", end - start)
+            elif self.admission is not None and not self.registry.would_admit(
+                chunk_id, (end - start) * row_bytes
+            ):
+                self._count("refused", end - start)
             elif not self._take_slot():
                 self._count("over_cap", end - start)
             else:
@@ -284,9 +288,7 @@ class AutoCapture:
         it); the rest runs on the background thread."""
         index = torch.cat([torch.arange(s, e) for s, e, _ in spans]).to(slots.device)
         rows = slots[index].to(torch.long)
-        layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
-        keys = gather_rows([kv_pool.get_key_buffer(layer) for layer in layers], rows)
-        values = gather_rows([kv_pool.get_value_buffer(layer) for layer in layers], rows)
+        keys, values = layer_rows(kv_pool, rows)
         self._pool_on_cpu = keys.device.type == "cpu"
         args = (tokens, spans, keys, values, index, self.registry.rope, self.registry.alpha)
         if self._worker is None:
@@ -334,8 +336,14 @@ class AutoCapture:
 
     def _store(self, pieces: list[_Piece]) -> None:
         for piece in pieces:
-            # Registered meanwhile (POST /chunks of the same document): kept once.
-            stored = piece.chunk_id in self.registry.store or self.registry.store_rows(
+            self._count(self._store_piece(piece), len(piece.token_ids))
+
+    def _store_piece(self, piece: _Piece) -> str:
+        """Store one prepared piece; its outcome."""
+        if piece.chunk_id in self.registry.store:
+            return "captured"  # registered meanwhile (POST /chunks of the same document)
+        try:
+            stored = self.registry.store_rows(
                 piece.token_ids,
                 piece.keys,
                 piece.values,
@@ -343,8 +351,11 @@ class AutoCapture:
                 piece.prefix,
                 quiet=True,
                 freq_scores=piece.freq_scores,
+                by_frequency=self.admission is not None,
             )
-            self._count("captured" if stored else "failed", len(piece.token_ids))
+        except NotAdmittedError:  # admitted when prepared, no longer (others were seen more)
+            return "refused"
+        return "captured" if stored else "failed"
 
     def _take_slot(self) -> bool:
         now = self._clock()

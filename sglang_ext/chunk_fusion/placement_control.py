@@ -33,8 +33,8 @@ from typing import Any
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_costs import FormCostBook
-from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkSummary, ChunkTiers, Pinned
-from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkTiers, Pinned
+from sglang_hicache_ext.tiers.chunks.header import ChunkSummary, CorruptChunkError
 from sglang_hicache_ext.tiers.chunks.stored_forms import (
     StoredBlob,
     compressed_blob,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
-from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkSummary
+from sglang_hicache_ext.tiers.chunks.header import ChunkSummary
 from sglang_hicache_ext.tiers.chunks.stored_forms import BlobReader, compressed_blob, stored_codec
 from sglang_hicache_ext.tuning.placement.host_forms import host_choices
 from sglang_hicache_ext.tuning.placement.utility import UNCOMPRESSED

@@ -31,14 +31,29 @@ def gather_rows(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tenso
     return out
 
 
+def layer_rows(kv_pool: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V rows at `slots` of every layer of SGLang's KV pool as the pool holds them
+    (keys after RoPE), layer-major ([L, n, H, D] each), on the pool's device."""
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+    keys = gather_rows([kv_pool.get_key_buffer(layer) for layer in layers], slots)
+    return keys, gather_rows([kv_pool.get_value_buffer(layer) for layer in layers], slots)
+
+
+def bytes_per_token(kv_pool: Any) -> int:
+    """Bytes one token's K and V rows take in the pool's dtype, every layer (a chunk's dense
+    rows; a codec stores fewer)."""
+    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
+    buffers = [kv_pool.get_key_buffer(layer) for layer in layers]
+    buffers += [kv_pool.get_value_buffer(layer) for layer in layers]
+    return sum(buffer[0].numel() * buffer.element_size() for buffer in buffers)
+
+
 def pre_rope_rows(
     kv_pool: Any, slots: torch.Tensor, positions: torch.Tensor, rope: LayerRopes
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The K rows at `slots` of SGLang's KV pool rotated back to pre-RoPE from `positions`, and
     the V rows, every layer stacked ([L, n, H, D] each), on the CPU."""
-    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
-    keys = gather_rows([kv_pool.get_key_buffer(layer) for layer in layers], slots)
-    values = gather_rows([kv_pool.get_value_buffer(layer) for layer in layers], slots)
+    keys, values = layer_rows(kv_pool, slots)
     # One rotation over every layer of a kind: the tables are the positions' only.
     return unrotate_layers(keys, positions.to(keys.device), rope).cpu(), values.cpu()
 

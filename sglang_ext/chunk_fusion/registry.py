@@ -40,16 +40,16 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
+from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
-from sglang_hicache_ext.tiers.chunks.chunk_tiers import (
-    ChunkSummary,
-    ChunkTiers,
-    Pinned,
-    summary_of_header,
-)
+from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkTiers, Pinned
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
-from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader
-from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
+from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader, ChunkSummary, summary_of_header
+from sglang_hicache_ext.tiers.chunks.host_cache import (
+    HostCacheFullError,
+    HostChunkCache,
+    NotAdmittedError,
+)
 from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunks.stored_forms import BlobReader, StoredBlob, stored_codec
 
@@ -93,13 +93,16 @@ class ChunkRegistry:
         disk_read_bytes_per_s: float | None = None,
         context_variants: ContextVariants | None = None,
         metrics: ExtensionMetrics | None = None,
+        admission: FrequencyAdmission | None = None,
     ) -> None:
         self.index = ChunkIndex()
         self.metrics = metrics
         # Streamed: a request reads only the disk rows it reuses, layer by layer under the
         # compute; the chunk is promoted to host memory after the request, in the background.
         self.store: ChunkTiers[HostChunk] = ChunkTiers(
-            HostChunkCache(capacity_bytes),
+            # With `admission`, pieces kept from traffic win their place by how often they
+            # were seen (`add(..., by_frequency=True)`); registered chunks always get one.
+            HostChunkCache(capacity_bytes, admission),
             disk,
             host_chunk,
             summarize,
@@ -239,10 +242,12 @@ class ChunkRegistry:
         prefix: tuple[int, ...] = (),
         quiet: bool = False,
         freq_scores: torch.Tensor | None = None,
+        by_frequency: bool = False,
     ) -> bool:
         """Store the chunk of these pre-RoPE rows, computed after `prefix`; `quiet`: logged at
         debug level (chunks kept from traffic come by the hundred per minute); `freq_scores`:
-        the rows' `layer_frequency_scores` at the registry's alpha when the caller has them."""
+        the rows' `layer_frequency_scores` at the registry's alpha when the caller has them;
+        `by_frequency`: as `add`'s."""
         if freq_scores is None:
             freq_scores = layer_frequency_scores(keys, values, self._alpha)
         chunk = PrecomputedChunk(
@@ -252,23 +257,44 @@ class ChunkRegistry:
             freq_scores=freq_scores,
             alpha=self._alpha,
         )
-        stored = self.add(chunk, codec, quiet)
+        stored = self.add(chunk, codec, quiet, by_frequency=by_frequency)
         if stored:
             self._prefixes[chunk.content_hash] = (prefix_id(prefix), len(prefix))
         return stored
+
+    def would_admit(self, chunk_id: str, nbytes: int) -> bool:
+        """Whether a piece of `nbytes` in host memory would win its place now (`add(...,
+        by_frequency=True)`), asked before its rows are prepared."""
+        return self.store.would_admit(chunk_id, nbytes)
 
     def prefix_of(self, chunk_id: str) -> tuple[str, int] | None:
         """(prefix_id, tokens) of the prefix the chunk was computed after; None: not recorded
         (restored from disk, found in the shared tier, or added in process)."""
         return self._prefixes.get(chunk_id)
 
-    def add(self, chunk: PrecomputedChunk, codec: str | None = None, quiet: bool = False) -> bool:
+    def add(
+        self,
+        chunk: PrecomputedChunk,
+        codec: str | None = None,
+        quiet: bool = False,
+        *,
+        by_frequency: bool = False,
+    ) -> bool:
         """Store and index a precomputed chunk (written through to disk when there is one;
         compressed by `codec` on every tier when given); False (logged, counted) when no tier
-        could take it."""
+        could take it. `by_frequency`: a piece kept from traffic, which must win its place in
+        host memory by how often it was seen; NotAdmittedError (nothing stored) when it does
+        not, for the caller to count."""
         chunk_id = chunk.content_hash
         try:
-            lost = self.store.put(chunk_id, chunk, None if codec is None else stored_codec(codec))
+            lost = self.store.put(
+                chunk_id,
+                chunk,
+                None if codec is None else stored_codec(codec),
+                by_frequency=by_frequency,
+            )
+        except NotAdmittedError:
+            raise
         except (HostCacheFullError, ValueError) as err:  # ValueError: a codec tiers cannot store
             self.failed_captures += 1
             logger.error("chunk %s not stored: %s", chunk_id[:12], err)

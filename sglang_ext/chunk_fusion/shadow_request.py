@@ -27,7 +27,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import (
     ContextVariants,
     document_set,
 )
-from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import pre_rope_rows
+from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import bytes_per_token, pre_rope_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 
 T = TypeVar("T")
@@ -145,13 +145,7 @@ def _keep_rows(
     """The rows at `slots` (the prompt's, positions 0..n-1) of every matched chunk span."""
     matches = registry.find(token_ids)
     documents = document_set(matches)
-    layers = range(kv_pool.start_layer, kv_pool.start_layer + kv_pool.layer_num)
-    # Bytes of a token's rows over every layer (keys and values), before any is copied.
-    per_token = sum(
-        buffer[0].numel() * buffer.element_size()
-        for layer in layers
-        for buffer in (kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer))
-    )
+    per_token = bytes_per_token(kv_pool)  # before any row is copied
     kept = 0
     for match in matches:
         if not variants.fits(match.length * per_token):

@@ -63,7 +63,8 @@ class ExtensionSettings(BaseModel):
     chunk_store_bytes: int = Field(
         2 * 1024**3,
         gt=0,
-        description="Host memory for precomputed chunk KV (POST /chunks), LRU beyond it.",
+        description="Host memory for precomputed chunk KV (POST /chunks), LRU beyond it "
+        "(pieces kept by auto_chunks must also win their place: chunk_admission).",
     )
     chunk_tiers: TierOrder | None = Field(
         None,
@@ -307,6 +308,25 @@ class ExtensionSettings(BaseModel):
         gt=0,
         description="Most pieces auto_chunks keeps per minute (each copies its rows and may "
         "write them to disk on the scheduler thread); pieces over the cap are counted, not kept.",
+    )
+    # On: one-off documents no longer push the popular ones out of host memory
+    # (benchmarks/results/chunk_admission_trace.json, docs/auto-chunks.md).
+    chunk_admission: Literal["frequency", "lru"] = Field(
+        "frequency",
+        description="Which pieces kept by auto_chunks may take a place in host memory when it "
+        "is full. frequency: a piece evicts the least recently used chunks only when it was "
+        "seen more often than each of them (a TinyLFU frequency sketch of every piece's "
+        "sights), else it is refused and its rows are never copied out; lru: every piece "
+        "evicts the least recently used. Registered chunks (POST /chunks) are always admitted.",
+    )
+    chunk_admission_sketch_entries: int = Field(
+        10_000,
+        ge=64,
+        le=1 << 26,
+        description="Chunks the admission's frequency sketch is sized for (fixed memory of 20-33 "
+        "bytes a chunk, rounded up to a power of two: 10,000 take 320 KiB); its counts are halved every ten sights per "
+        "entry, so they follow the recent traffic. Not kept across restarts: counted again "
+        "from traffic.",
     )
     disk_tier: DiskTierSettings | None = Field(
         None,

@@ -12,8 +12,8 @@ keys: the estimate of a key may be too high (collisions), never too low within a
 are hashed with BLAKE2b, not Python's per-process `hash`, so a sketch written with `to_bytes`
 reads back with the same answers after a restart.
 
-`FrequencyAdmission.admit(candidate, victim)` is the TinyLFU decision: a new piece takes the
-place of the entry an eviction would drop only when it has been seen more often. Nothing here
+`FrequencyAdmission.admit(candidate, victims)` is the TinyLFU decision: a new piece takes the
+place of the entries an eviction would drop only when it has been seen more often than each. Nothing here
 imports SGLang; the chunk tiers decide what a key is and when a sight counts.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,16 +159,24 @@ class FrequencyAdmission:
     admitted: int = 0
     refused: int = 0
 
+    @classmethod
+    def for_entries(cls, expected_keys: int) -> FrequencyAdmission:
+        return cls(FrequencySketch.for_entries(expected_keys))
+
     def record(self, key: str) -> None:
         self.sketch.record(key)
 
-    def admit(self, candidate: str, victim: str) -> bool:
-        """Whether `candidate` should take the place of `victim` (the entry an eviction would
-        drop for it): only when it was seen more often. A tie keeps the victim, which holds a
-        popular entry against a stream of pieces seen as often as it once was."""
-        decision = self.sketch.estimate(candidate) > self.sketch.estimate(victim)
-        if decision:
-            self.admitted += 1
-        else:
-            self.refused += 1
+    def admit(self, candidate: str, victims: Sequence[str], *, count: bool = True) -> bool:
+        """Whether `candidate` should take the place of `victims` (the entries an eviction would
+        drop for it, in the order it would drop them): only when it was seen more often than
+        each of them. No victims (it fits as it is): admitted. A tie keeps the victim, which
+        holds a popular entry against a stream of pieces seen as often as it once was.
+        `count=False` asks without counting the answer (a look before the work it saves)."""
+        best = max((self.sketch.estimate(victim) for victim in victims), default=-1)
+        decision = self.sketch.estimate(candidate) > best
+        if count:
+            if decision:
+                self.admitted += 1
+            else:
+                self.refused += 1
         return decision

@@ -28,7 +28,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, cast
 
@@ -36,16 +36,18 @@ from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkLike, ChunkTensor
 from sglang_hicache_ext.tiers.chunks.codecs.base import KVCodec
 from sglang_hicache_ext.tiers.chunks.dense_file import check_storable
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskStats, ChunkDiskTier, ChunkReader
-from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader
+from sglang_hicache_ext.tiers.chunks.header import ChunkFileHeader, ChunkSummary, summary_of_header
 from sglang_hicache_ext.tiers.chunks.host_cache import (
     HostCacheFullError,
     HostCacheStats,
     HostChunkCache,
+    NotAdmittedError,
     V,
 )
 from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteStats, ChunkRemoteTier
 from sglang_hicache_ext.tiers.chunks.stored_forms import StoredBlob, blob_of, encode_stored
 from sglang_hicache_ext.tiers.chunks.tier import ChunkTier
+from sglang_hicache_ext.tiers.short_lived_worker import ShortLivedWorker
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +55,6 @@ HOST = "host"
 DISK = "disk"
 MOONCAKE = "mooncake"
 TIER_NAMES = (HOST, DISK, MOONCAKE)  # fastest first
-
-
-class ChunkSummary(NamedTuple):
-    """What a listing shows of a chunk without loading its rows."""
-
-    num_tokens: int
-    num_layers: int
-    nbytes: int  # bytes of its K, V and scores in memory
-    codec: str | None = None  # how every tier stores it (None: dense rows)
 
 
 class Pinned(NamedTuple):
@@ -82,13 +75,6 @@ class TierStats:
     promotions: int  # chunks read from a lower tier back into host memory
     demotions: int  # chunks evicted from host memory that a lower tier still holds
     lost: int  # chunks no tier holds any more (evicted everywhere, or a failed write)
-
-
-def summary_of_header(header: ChunkFileHeader) -> ChunkSummary:
-    scores = header.freq_scores.numel() * header.freq_scores.element_size()
-    dense = header.num_layers * header.layer_bytes + scores
-    in_memory = dense if header.compressed is None else header.stored_bytes
-    return ChunkSummary(header.num_tokens, header.num_layers, in_memory, header.codec)
 
 
 class ChunkTiers(Generic[V]):
@@ -114,7 +100,8 @@ class ChunkTiers(Generic[V]):
         self._rebuild = rebuild  # tiers do not import fusion: the owner turns rows into chunks
         self._summarize = summarize
         self._stream = stream
-        self._promoter: ThreadPoolExecutor | None = None
+        # Threads that end: a promotion rebuilds torch tensors beside the forward.
+        self._promoter = ShortLivedWorker("chunk-promoter")
         self._promotions: list[Future[None]] = []
         self._lost_later: list[str] = []  # lost by a background promotion, for the next _settle
         self._lock = threading.Lock()
@@ -190,30 +177,44 @@ class ChunkTiers(Generic[V]):
 
     # -- writes ----------------------------------------------------------------------------
 
-    def put(self, key: str, chunk: V, codec: KVCodec | None = None) -> list[str]:
+    def put(
+        self, key: str, chunk: V, codec: KVCodec | None = None, *, by_frequency: bool = False
+    ) -> list[str]:
         """Store `chunk` in every tier, compressed by `codec` if given (then host memory holds
         the compressed bytes too, so every tier gives back the same rows); the keys no tier
         holds any more (drop them from indexes).
 
+        `by_frequency`: a piece kept from traffic, which must win its place in host memory
+        (`HostChunkCache.put`); refused (NotAdmittedError), it is written to no tier.
         Raises HostCacheFullError only when no tier took it (host memory pinned full, and no lower
         tier or every lower write failed)."""
         below = False
+        encoded: tuple[bytes, bytes] | None = None
         # Host memory alone keeps dense rows as tensors: no file form (a checksum per row).
         if codec is None and self.disk is None and self.remote is None:
             check_storable(cast(ChunkLike, chunk))  # the owner's chunk type has the fields
         else:
-            header, rows = encode_stored(key, cast(ChunkLike, chunk), codec)  # once for all
-            for lower in self._lower().values():  # failed writes are logged, counted there
-                below = lower.put_stored(key, header, rows) or below
+            encoded = encode_stored(key, cast(ChunkLike, chunk), codec)  # once for all tiers
             if codec is not None:
-                chunk = self._rebuild(blob_of(key, header, rows))
-        try:
-            evicted = self.host.put(key, chunk)
-        except HostCacheFullError:
-            if not below:
-                raise
-            evicted = []
+                chunk = self._rebuild(blob_of(key, *encoded))
+        full: HostCacheFullError | None = None
+        try:  # NotAdmittedError propagates: a refused piece is written to no tier
+            evicted = self.host.put(key, chunk, by_frequency=by_frequency)
+        except NotAdmittedError:
+            raise
+        except HostCacheFullError as err:  # pinned full: a lower tier may still take it
+            evicted, full = [], err
+        if encoded is not None:
+            for lower in self._lower().values():  # failed writes are logged, counted there
+                below = lower.put_stored(key, *encoded) or below
+        if full is not None and not below:
+            raise full
         return self._settle(evicted)
+
+    def would_admit(self, key: str, nbytes: int) -> bool:
+        """Whether a `put(..., by_frequency=True)` of `nbytes` in host memory would be taken now
+        (`HostChunkCache.would_admit`)."""
+        return self.host.would_admit(key, nbytes)
 
     def remove(self, key: str) -> bool:
         """Drop `key` from every tier; False while a running request pins it (nothing removed).
@@ -341,8 +342,6 @@ class ChunkTiers(Generic[V]):
 
     def _promote_later(self, key: str) -> None:
         with self._lock:
-            if self._promoter is None:
-                self._promoter = ThreadPoolExecutor(1, thread_name_prefix="chunk-promoter")
             self._promotions = [f for f in self._promotions if not f.done()]
             self._promotions.append(self._promoter.submit(self._promote_logged, key))
 

@@ -13,7 +13,7 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -146,3 +146,19 @@ class CompressedHeader:
             file_len=self.stored_bytes,
             compressed=self,
         )
+
+
+class ChunkSummary(NamedTuple):
+    """What a listing shows of a chunk without loading its rows."""
+
+    num_tokens: int
+    num_layers: int
+    nbytes: int  # bytes of its K, V and scores in memory
+    codec: str | None = None  # how every tier stores it (None: dense rows)
+
+
+def summary_of_header(header: ChunkFileHeader) -> ChunkSummary:
+    scores = header.freq_scores.numel() * header.freq_scores.element_size()
+    dense = header.num_layers * header.layer_bytes + scores
+    in_memory = dense if header.compressed is None else header.stored_bytes
+    return ChunkSummary(header.num_tokens, header.num_layers, in_memory, header.codec)

@@ -5,6 +5,13 @@ so registration is idempotent). Values are any object that reports its size in `
 (a precomputed chunk: per-layer K and V). An entry pinned by a request that is reusing it is
 never evicted under that request; when everything left is pinned, a new entry is refused
 rather than overfilling the capacity.
+
+With a `FrequencyAdmission` (`admission.py`), an insert that asks for it (`by_frequency`: the
+pieces kept from traffic, never a registration) must win its place: when it does not fit in the
+free bytes, it evicts the least recently used entries only if it was seen more often than each
+of them, and is refused (NotAdmittedError, counted) otherwise; `would_admit` asks the same
+question without storing, so a caller can skip the work of preparing a piece that would be
+refused. Eviction stays least recently used; admission decides only who may cause one.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import cachetools
+
+from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 
 
 class HasNbytes(Protocol):
@@ -44,6 +53,14 @@ class LruCounts:
 @dataclass(frozen=True)
 class HostCacheStats(LruCounts):
     rejected: int
+    # Inserts asking for admission by frequency that did not fit in the free bytes: those that
+    # were seen more often than the entries they evicted, and those refused at the door.
+    admitted_by_frequency: int
+    refused_by_frequency: int
+
+
+class NotAdmittedError(HostCacheFullError):
+    """An insert by frequency that was seen no more often than an entry it would evict."""
 
 
 class _AllPinnedError(Exception):
@@ -83,14 +100,25 @@ class _PinnedLru(cachetools.Cache[str, V]):
 class HostChunkCache(Generic[V]):
     """Thread-safe LRU by bytes; `get` refreshes recency; `pin`/`unpin` protect entries in use."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, admission: FrequencyAdmission | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes
+        self.admission = admission
         self._pins: dict[str, int] = {}
         self._entries: _PinnedLru[V] = _PinnedLru(capacity_bytes, self._pinned_locked)
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("hits", "misses", "evictions", "rejected"), 0)
+        self._counts = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "evictions",
+                "rejected",
+                "admitted_by_frequency",
+                "refused_by_frequency",
+            ),
+            0,
+        )
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
@@ -110,11 +138,43 @@ class HostChunkCache(Generic[V]):
         with self._lock:
             return list(self._entries.items())
 
-    def put(self, key: str, value: V, *, evict: bool = True, if_absent: bool = False) -> list[str]:
+    def would_admit(self, key: str, nbytes: int) -> bool:
+        """Whether `put(key, <nbytes>, by_frequency=True)` would store it now (nothing counted):
+        stored already, fits in the free bytes, or seen more often than each entry it would
+        evict. False also when it could not fit at all."""
+        with self._lock:
+            if self.admission is None or key in self._entries:
+                return True
+            victims = self._victims_locked(nbytes)
+            return victims is not None and self.admission.admit(key, victims, count=False)
+
+    def _victims_locked(self, nbytes: int) -> list[str] | None:
+        """The entries an insert of `nbytes` new bytes would evict, least recently used first;
+        None when it cannot fit (larger than the store, or the rest is pinned)."""
+        free = self._capacity - self._entries.currsize
+        victims: list[str] = []
+        for key in self._entries:
+            if free >= nbytes:
+                break
+            if not self._pinned_locked(key):
+                victims.append(key)
+                free += int(self._entries[key].nbytes)
+        return victims if free >= nbytes else None
+
+    def put(
+        self,
+        key: str,
+        value: V,
+        *,
+        evict: bool = True,
+        if_absent: bool = False,
+        by_frequency: bool = False,
+    ) -> list[str]:
         """Store `value`; returns the keys evicted to make room. Re-putting a key replaces it
         (unless `if_absent`: then a stored key is left as it is). Without `evict`, a value that
         does not fit in the free bytes is refused (HostCacheFullError) instead of evicting
-        others."""
+        others. With `by_frequency` (and an admission), a new key that does not fit in the free
+        bytes evicts only entries seen less often than itself (NotAdmittedError otherwise)."""
         size = int(value.nbytes)
         with self._lock:
             if size > self._capacity:
@@ -124,6 +184,8 @@ class HostChunkCache(Generic[V]):
                 )
             if if_absent and key in self._entries:
                 return []
+            if by_frequency and self.admission is not None and key not in self._entries:
+                self._admit_locked(key, size)
             old = self._entries.pop(key, None)
             self._entries.evicted = evicted = []
             stored = evict or self._entries.currsize + size <= self._capacity
@@ -144,6 +206,23 @@ class HostChunkCache(Generic[V]):
                     "and the rest is pinned by running requests"
                 )
             return evicted
+
+    def _admit_locked(self, key: str, size: int) -> None:
+        """Raise NotAdmittedError unless `key` may take the room `size` new bytes need."""
+        victims = self._victims_locked(size)
+        if victims is None:
+            return  # cannot fit at all: `put` refuses it as full
+        if not victims:
+            return  # fits in the free bytes: no one loses a place, nothing to decide
+        assert self.admission is not None
+        if self.admission.admit(key, victims):
+            self._counts["admitted_by_frequency"] += 1
+            return
+        self._counts["refused_by_frequency"] += 1
+        raise NotAdmittedError(
+            f"entry {key[:12]} was seen no more often than the {len(victims)} entries it "
+            "would evict"
+        )
 
     def get(self, key: str) -> V | None:
         with self._lock:
