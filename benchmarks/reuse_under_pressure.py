@@ -1,0 +1,235 @@
+"""Reuse from traffic under memory pressure, live: `chunk_admission` "lru" against "frequency".
+
+SmolLM2-135M-Instruct on the CPU server, `auto_chunks` and `fusion_by_default` on, no
+registration. Each of `--requests` chat requests holds `--per-request` HotpotQA paragraphs: a
+share `--one-off` of them seen in no other request, the rest drawn from `--popular` paragraphs
+with Zipf popularity (`--skew`), in random order. Host memory for chunks (`chunk_store_bytes`)
+is `--budget` times the popular set's dense KV bytes (fp32 K and V of every layer; a stored
+chunk also holds its scores, so the real ratio is a little below), so the one-offs cannot all
+stay. One server per arm, one after the other, the same requests in the same order; each
+prompt sent fused (the server's default ratio) and then with `{"fusion": false}`, one request
+at a time, TTFT the first streamed token.
+
+Per request: the tokens of its popular paragraphs seen before in the arm's run, and the
+document tokens its fused prefill matched to stored chunks (the fusion counters around it; a
+one-off is never seen again, so every match is a popular paragraph's). Reported after the
+first fifth (warm-up): matched / seen-before popular tokens, median TTFT fused and fusion off,
+and the server's capture and admission counters.
+
+    python -m benchmarks.reuse_under_pressure [--requests 200 --one-off 0.8 --budget 1.5]
+-> benchmarks/results/reuse_under_pressure.json and .png (`--plot-only` redraws the figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+import requests
+from tqdm import tqdm
+
+from benchmarks.auto_reuse import FLAGS, corpus_of, fusion_counters, settings_file
+from benchmarks.smollm2_server import (
+    RESULTS,
+    report_header,
+    smollm2_path,
+    smollm2_server,
+    smollm2_tokenizer,
+    write_report,
+)
+from examples.openai_rag import ask
+
+ARMS = ("lru", "frequency")
+
+
+def dense_bytes_per_token() -> int:
+    """fp32 K and V of one token over every layer of the served model (the CPU server's dtype)."""
+    config = json.loads((smollm2_path() / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+
+
+def traffic(
+    requests_n: int, per_request: int, popular: int, one_off: float, skew: float
+) -> tuple[list[list[str]], list[str], dict[str, str]]:
+    """The requests' paragraphs, the popular ones, and a question per paragraph (its example's)."""
+    rng = random.Random(2026)
+    slots = [[rng.random() < one_off for _ in range(per_request)] for _ in range(requests_n)]
+    one_offs = sum(map(sum, slots))
+    corpus, questions = corpus_of(popular + one_offs)
+    hot, fresh = corpus[:popular], iter(corpus[popular:])
+    weights = [1 / (rank + 1) ** skew for rank in range(popular)]
+    draws = []
+    for flags in slots:
+        docs: list[str] = []
+        for is_one_off in flags:
+            doc = next(fresh) if is_one_off else rng.choices(hot, weights)[0]
+            if doc not in docs:
+                docs.append(doc)
+        rng.shuffle(docs)
+        draws.append(docs)
+    return draws, hot, questions
+
+
+def run_arm(
+    url: str,
+    draws: list[list[str]],
+    popular: set[str],
+    questions: dict[str, str],
+    tokens: dict[str, int],
+    desc: str,
+) -> list[dict[str, Any]]:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    seen: set[str] = set()
+    rows = []
+    for docs in tqdm(draws, desc=desc, disable=None):
+        question = questions[docs[0]]
+        before = fusion_counters(url)
+        fused = ask(client, "default", docs, question)
+        after = fusion_counters(url)
+        off = ask(client, "default", docs, question, fusion=False)
+        rows.append(
+            {
+                "popular_seen_tokens": sum(tokens[d] for d in docs if d in popular and d in seen),
+                "document_tokens": sum(tokens[d] for d in docs),
+                "chunk_tokens": after["chunk_tokens"] - before["chunk_tokens"],
+                "fused": after["fused_requests"] > before["fused_requests"],
+                "fused_ttft_s": fused.ttft_s,
+                "off_ttft_s": off.ttft_s,
+                "prompt_tokens": fused.prompt_tokens,
+            }
+        )
+        seen.update(docs)
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]], server_info: dict[str, Any]) -> dict[str, Any]:
+    later = rows[len(rows) // 5 :]
+    seen_tokens = sum(r["popular_seen_tokens"] for r in later)
+    state = server_info["internal_states"][0]["hicache_ext"]
+    chunks = state.get("chunks") or {}
+    host = {k: v for k, v in chunks.items() if not isinstance(v, (dict, list)) and v is not None}
+    return {
+        "requests_after_warmup": len(later),
+        "popular_seen_tokens_reused": sum(r["chunk_tokens"] for r in later) / max(1, seen_tokens),
+        "median_ttft_fused_s": statistics.median(r["fused_ttft_s"] for r in later),
+        "median_ttft_off_s": statistics.median(r["off_ttft_s"] for r in later),
+        "ttft_ratio_median_of_medians": statistics.median(r["fused_ttft_s"] for r in later)
+        / statistics.median(r["off_ttft_s"] for r in later),
+        "fused_share": sum(r["fused"] for r in later) / len(later),
+        "auto_chunks": state.get("auto_chunks"),
+        "host": host,
+    }
+
+
+def plot(report: dict[str, Any], out: Path) -> Path:
+    """Per arm: the share of seen-before popular tokens reused, cumulative over the requests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (reuse, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, result in report["arms"].items():
+        rows = result["rows"]
+        seen = reused = 0
+        curve = []
+        for row in rows:
+            seen += row["popular_seen_tokens"]
+            reused += row["chunk_tokens"]
+            curve.append(reused / seen if seen else 0.0)
+        reuse.plot(range(1, len(rows) + 1), curve, label=f"chunk_admission: {arm}")
+        ratios = sorted(r["fused_ttft_s"] / r["off_ttft_s"] for r in rows[len(rows) // 5 :])
+        ttft.plot(ratios, [(i + 1) / len(ratios) for i in range(len(ratios))], label=arm)
+    reuse.axhline(0.9, linestyle="--", color="grey")
+    reuse.set(
+        xlabel="request",
+        ylabel="reused / seen-before popular tokens (cumulative)",
+        title="Reuse of the popular documents",
+        ylim=(0, 1.05),
+    )
+    reuse.legend()
+    ttft.axvline(1.0, linestyle="--", color="grey")
+    ttft.set_xlim(0, 2)
+    ttft.set(
+        xlabel="fused TTFT / fusion-off TTFT",
+        ylabel="share of requests after the warm-up",
+        title="TTFT, same prompts",
+    )
+    ttft.legend()
+    figure.suptitle(f"{report['model']}, CPU: {report['command']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--per-request", type=int, default=5)
+    parser.add_argument("--popular", type=int, default=20)
+    parser.add_argument("--one-off", type=float, default=0.8)
+    parser.add_argument("--skew", type=float, default=1.0)
+    parser.add_argument("--budget", type=float, default=1.5, help="x the popular set's bytes")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--out", type=Path, default=RESULTS / "reuse_under_pressure.json")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
+    args = parser.parse_args()
+    if args.plot_only:
+        print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
+        return 0
+    draws, hot, questions = traffic(
+        args.requests, args.per_request, args.popular, args.one_off, args.skew
+    )
+    tokenizer = smollm2_tokenizer()
+    everything = {d for docs in draws for d in docs}
+    tokens = {d: len(tokenizer.encode(d, add_special_tokens=False)) for d in everything}
+    popular_tokens = sum(tokens[d] for d in hot)
+    budget_bytes = int(args.budget * popular_tokens * dense_bytes_per_token())
+    arms: dict[str, Any] = {}
+    for arm in args.arms.split(","):
+        values = {
+            "auto_chunks": True,
+            "fusion_by_default": True,
+            "chunk_store_bytes": budget_bytes,
+            "chunk_admission": arm,
+        }
+        env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(values)}
+        with smollm2_server(f"pressure-{arm}", extra_args=FLAGS, env=env) as server:
+            rows = run_arm(server.url, draws, set(hot), questions, tokens, arm)
+            info = requests.get(server.url + "/server_info", timeout=30).json()
+        arms[arm] = {"summary": summarise(rows, info), "rows": rows}
+    summary = {
+        arm: {
+            key: arms[arm]["summary"][key]
+            for key in (
+                "popular_seen_tokens_reused",
+                "median_ttft_fused_s",
+                "median_ttft_off_s",
+                "ttft_ratio_median_of_medians",
+            )
+        }
+        for arm in arms
+    }
+    report = {
+        **report_header("benchmarks.reuse_under_pressure"),
+        "popular_tokens": popular_tokens,
+        "one_off_share": sum(tokens[d] for docs in draws for d in docs if d not in set(hot))
+        / sum(tokens[d] for docs in draws for d in docs),
+        "chunk_store_bytes": budget_bytes,
+        "dense_bytes_per_token": dense_bytes_per_token(),
+        "summary": summary,
+        "arms": arms,
+    }
+    return write_report(report, args.out, plot, summary)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
