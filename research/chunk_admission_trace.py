@@ -19,12 +19,12 @@ memory / tokens of pieces seen before (what any policy could at best reuse).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import random
 from collections import OrderedDict
 from pathlib import Path
 
+from benchmarks.chunk_admission_trace import reusable_tokens, run_belady
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission, FrequencySketch
 
 Trace = list[list[str]]
@@ -84,47 +84,6 @@ def run_lru(
             held[key] = None
             used += size
     return reused
-
-
-def run_belady(trace: Trace, sizes: dict[str, int], budget: int, start: int) -> int:
-    flat = [(i, key) for i, pieces in enumerate(trace) for key in pieces]
-    next_use: list[float] = [float("inf")] * len(flat)
-    last: dict[str, int] = {}
-    for position in range(len(flat) - 1, -1, -1):
-        key = flat[position][1]
-        next_use[position] = last.get(key, float("inf"))
-        last[key] = position
-    held: dict[str, float] = {}  # key -> its next use
-    heap: list[tuple[float, str]] = []  # (-next use, key), stale entries skipped
-    used = reused = 0
-    for position, (index, key) in enumerate(flat):
-        upcoming = next_use[position]
-        if key in held:
-            reused += sizes[key] if index >= start else 0
-        else:
-            if upcoming == float("inf") or sizes[key] > budget:
-                continue  # never used again: storing it cannot help
-            used += sizes[key]
-        held[key] = upcoming
-        heapq.heappush(heap, (-upcoming, key))
-        while used > budget:
-            far, victim = heapq.heappop(heap)
-            if held.get(victim) != -far:
-                continue
-            del held[victim]
-            used -= sizes[victim]
-    return reused
-
-
-def reusable_tokens(trace: Trace, sizes: dict[str, int], start: int) -> int:
-    seen: set[str] = set()
-    total = 0
-    for index, pieces in enumerate(trace):
-        for key in pieces:
-            if key in seen and index >= start:
-                total += sizes[key]
-            seen.add(key)
-    return total
 
 
 def main() -> None:
