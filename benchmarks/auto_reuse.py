@@ -167,10 +167,9 @@ def summarise(rows: list[dict[str, Any]], registered: list[str]) -> dict[str, An
 def plot(report: dict[str, Any], out: Path) -> Path:
     """TTFT per request, fused and fusion off, in request order; the fused/off ratio's CDF over
     the requests whose documents were all seen before."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from benchmarks.plots import save_run_figure, ttft_ratio_cdf
 
     rows = report["rows"]
     figure, (timeline, cdf) = plt.subplots(1, 2, figsize=(11, 4))
@@ -179,21 +178,12 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     timeline.scatter(index, [r["fused_ttft_s"] for r in rows], s=8, label="fused (auto_chunks)")
     timeline.set(xlabel="request", ylabel="TTFT (s)", title="TTFT per request, in order")
     timeline.legend()
-    ratios = sorted(r["fused_ttft_s"] / r["off_ttft_s"] for r in rows if r["all_seen"])
-    cdf.plot(ratios, [(i + 1) / len(ratios) for i in range(len(ratios))])
+    ttft_ratio_cdf(cdf, [r["fused_ttft_s"] / r["off_ttft_s"] for r in rows if r["all_seen"]])
     cdf.axvline(0.45, linestyle="--", color="grey", label="0.45x")
-    cdf.set_xlim(0, 1.5)  # a request slowed by something else lies past the edge
-    cdf.set(
-        xlabel="fused TTFT / fusion-off TTFT",
-        ylabel="share of requests",
-        title="Requests whose documents were all seen before",
-    )
+    cdf.set_xlim(0, 1.5)
+    cdf.set(title="Requests whose documents were all seen before")
     cdf.legend()
-    figure.suptitle(f"auto_chunks on {report['model']}, CPU: {report['command']}", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
-    plt.close(figure)
-    return out
+    return save_run_figure(figure, report, out, "auto_chunks on ")
 
 
 def main() -> int:

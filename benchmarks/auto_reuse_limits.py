@@ -119,10 +119,9 @@ def settings_env(values: dict[str, Any]) -> dict[str, str]:
 def plot(report: dict[str, Any], out: Path) -> Path:
     """The first prompts' latency per round with and without `auto_chunks`; the stream's
     latency, resident memory and chunk bytes as it goes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from benchmarks.plots import save_run_figure
 
     figure, (rounds, stream) = plt.subplots(1, 2, figsize=(11, 4))
     labels, runs = [], []
@@ -147,11 +146,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     memory.set(ylabel="GiB")
     memory.set_ylim(bottom=0)
     memory.legend(loc="center right")
-    figure.suptitle(f"{report['model']}, CPU: {report['command']}", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
-    plt.close(figure)
-    return out
+    return save_run_figure(figure, report, out)
 
 
 def paired_ratio(on: list[list[float]], off: list[list[float]]) -> float:

@@ -130,10 +130,9 @@ def summarise(rows: list[dict[str, Any]], server_info: dict[str, Any]) -> dict[s
 
 def plot(report: dict[str, Any], out: Path) -> Path:
     """Per arm: the share of seen-before popular tokens reused, cumulative over the requests."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from benchmarks.plots import save_run_figure, ttft_ratio_cdf
 
     figure, (reuse, ttft) = plt.subplots(1, 2, figsize=(11, 4))
     for arm, result in report["arms"].items():
@@ -145,8 +144,9 @@ def plot(report: dict[str, Any], out: Path) -> Path:
             reused += row["chunk_tokens"]
             curve.append(reused / seen if seen else 0.0)
         reuse.plot(range(1, len(rows) + 1), curve, label=f"chunk_admission: {arm}")
-        ratios = sorted(r["fused_ttft_s"] / r["off_ttft_s"] for r in rows[len(rows) // 5 :])
-        ttft.plot(ratios, [(i + 1) / len(ratios) for i in range(len(ratios))], label=arm)
+        ttft_ratio_cdf(
+            ttft, [r["fused_ttft_s"] / r["off_ttft_s"] for r in rows[len(rows) // 5 :]], arm
+        )
     reuse.axhline(0.9, linestyle="--", color="grey")
     reuse.set(
         xlabel="request",
@@ -156,18 +156,9 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     )
     reuse.legend()
     ttft.axvline(1.0, linestyle="--", color="grey")
-    ttft.set_xlim(0, 2)
-    ttft.set(
-        xlabel="fused TTFT / fusion-off TTFT",
-        ylabel="share of requests after the warm-up",
-        title="TTFT, same prompts",
-    )
+    ttft.set(title="TTFT after the warm-up, same prompts")
     ttft.legend()
-    figure.suptitle(f"{report['model']}, CPU: {report['command']}", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
-    plt.close(figure)
-    return out
+    return save_run_figure(figure, report, out)
 
 
 def main() -> int:
