@@ -169,7 +169,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     the requests whose documents were all seen before."""
     import matplotlib.pyplot as plt
 
-    from benchmarks.plots import save_run_figure, ttft_ratio_cdf
+    from benchmarks.run_figures import save_run_figure, ttft_ratio_cdf
 
     rows = report["rows"]
     figure, (timeline, cdf) = plt.subplots(1, 2, figsize=(11, 4))

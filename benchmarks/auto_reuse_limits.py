@@ -121,7 +121,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     latency, resident memory and chunk bytes as it goes."""
     import matplotlib.pyplot as plt
 
-    from benchmarks.plots import save_run_figure
+    from benchmarks.run_figures import save_run_figure
 
     figure, (rounds, stream) = plt.subplots(1, 2, figsize=(11, 4))
     labels, runs = [], []

@@ -60,25 +60,6 @@ TTL_POLICIES = (
 )
 
 
-def ttft_ratio_cdf(axes: Axes, ratios: list[float], label: str | None = None) -> None:
-    """The share of requests (y) whose fused / fusion-off TTFT is at most x, on `axes`; x cut at
-    2 (a request slowed by something else lies past the edge)."""
-    ordered = sorted(ratios)
-    axes.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
-    axes.set_xlim(0, 2)
-    axes.set(xlabel="fused TTFT / fusion-off TTFT", ylabel="share of requests")
-
-
-def save_run_figure(figure: Figure, report: dict[str, Any], out: Path, what: str = "") -> Path:
-    """`figure` titled with the run's model and command (`what` before them), written to `out`
-    and closed; returns `out`."""
-    figure.suptitle(f"{what}{report['model']}, CPU: {report['command']}", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
-    plt.close(figure)
-    return out
-
-
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 

@@ -1,4 +1,4 @@
-"""Reuse from traffic under memory pressure, live: `chunk_admission` "lru" against "frequency".
+"""Reuse from traffic under memory pressure, live: `chunk_admission` "lru" against "adaptive".
 
 SmolLM2-135M-Instruct on the CPU server, `auto_chunks` and `fusion_by_default` on, no
 registration. Each of `--requests` chat requests holds `--per-request` HotpotQA paragraphs: a
@@ -7,8 +7,10 @@ with Zipf popularity (`--skew`), in random order. Host memory for chunks (`chunk
 is `--budget` times the popular set's dense KV bytes (fp32 K and V of every layer; a stored
 chunk also holds its scores, so the real ratio is a little below), so the one-offs cannot all
 stay. One server per arm, one after the other, the same requests in the same order; each
-prompt sent fused (the server's default ratio) and then with `{"fusion": false}`, one request
-at a time, TTFT the first streamed token.
+prompt sent fused (the server's default ratio) and then with `{"fusion": false}` behind a
+system prompt of its own (a number first, so the fused request's prompt, in the prefix tree
+when it fell back to the normal prefill, is not reused), one request at a time, TTFT the first
+streamed token.
 
 Per request: the tokens of its popular paragraphs seen before in the arm's run, and the
 document tokens its fused prefill matched to stored chunks (the fusion counters around it; a
@@ -41,9 +43,9 @@ from benchmarks.smollm2_server import (
     smollm2_tokenizer,
     write_report,
 )
-from examples.openai_rag import ask
+from examples.openai_rag import SYSTEM, ask
 
-ARMS = ("lru", "frequency")
+ARMS = ("lru", "adaptive")  # values of chunk_admission; "frequency" too with --arms
 
 
 def dense_bytes_per_token() -> int:
@@ -88,12 +90,14 @@ def run_arm(
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     seen: set[str] = set()
     rows = []
-    for docs in tqdm(draws, desc=desc, disable=None):
+    for number, docs in enumerate(tqdm(draws, desc=desc, disable=None)):
         question = questions[docs[0]]
         before = fusion_counters(url)
         fused = ask(client, "default", docs, question)
         after = fusion_counters(url)
-        off = ask(client, "default", docs, question, fusion=False)
+        # Its own first line: the fused request's prompt, when it fell back to the normal
+        # prefill, is in the prefix tree, and the same prompt would be served from there.
+        off = ask(client, "default", docs, question, system=f"{number}. {SYSTEM}", fusion=False)
         rows.append(
             {
                 "popular_seen_tokens": sum(tokens[d] for d in docs if d in popular and d in seen),
@@ -132,7 +136,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     """Per arm: the share of seen-before popular tokens reused, cumulative over the requests."""
     import matplotlib.pyplot as plt
 
-    from benchmarks.plots import save_run_figure, ttft_ratio_cdf
+    from benchmarks.run_figures import save_run_figure, ttft_ratio_cdf
 
     figure, (reuse, ttft) = plt.subplots(1, 2, figsize=(11, 4))
     for arm, result in report["arms"].items():

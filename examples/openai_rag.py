@@ -56,6 +56,7 @@ def ask(
     documents: Sequence[str],
     question: str,
     headers: dict[str, str] | None = None,
+    system: str = SYSTEM,
     **custom: object,
 ) -> Answer:
     """One streamed chat request; the last event carries the usage. `headers`: e.g. the
@@ -65,7 +66,7 @@ def ask(
     stream = client.chat.completions.create(
         model=model,
         messages=[
-            {"role": "system", "content": SYSTEM},
+            {"role": "system", "content": system},
             {"role": "user", "content": f"{body}\n\nQuestion: {question}"},
         ],
         max_tokens=16,

@@ -101,11 +101,14 @@ def _fusion_service(
         return None, f"cannot recover RoPE positions for this model: {err}"
     # Only pieces kept from traffic compete for host memory by frequency; registered chunks
     # are admitted always, so without auto_chunks there is nothing to decide.
-    admission = (
-        FrequencyAdmission.for_entries(settings.chunk_admission_sketch_entries)
-        if settings.auto_chunks and settings.chunk_admission == "frequency"
-        else None
-    )
+    admission: FrequencyAdmission | None = None
+    entries = settings.chunk_admission_sketch_entries
+    if settings.auto_chunks and settings.chunk_admission == "frequency":
+        admission = FrequencyAdmission.for_entries(entries)
+    elif settings.auto_chunks and settings.chunk_admission == "adaptive":
+        admission = FrequencyAdmission.for_entries(
+            entries, settings.chunk_store_bytes, _disk_budget(settings)
+        )
     registry = _chunk_registry(ctx, settings, tp, rope, metrics, admission)
     auto_capture = None
     if settings.auto_chunks:
@@ -136,6 +139,12 @@ def _fusion_service(
         kept_rows=getattr(getattr(runner, "attn_backend", None), "kept_rows", None),
     )
     return service, ""
+
+
+def _disk_budget(settings: ExtensionSettings) -> int | None:
+    """The chunk disk tier's budget, None without one: what host memory writes through to,
+    which the adaptive admission's shadows replay below host memory."""
+    return settings.chunk_disk_bytes if "disk" in settings.chunk_tier_names else None
 
 
 def _chunk_registry(

@@ -178,14 +178,19 @@ def test_a_forward_off_the_cpu_does_not_wait_for_pending_pieces() -> None:
     gate.set()
 
 
-@pytest.mark.parametrize("admission", [True, False], ids=["frequency", "lru"])
-def test_a_one_off_does_not_push_a_popular_document_out(admission: bool) -> None:
+@pytest.mark.parametrize("admission", ["frequency", "adaptive", None], ids=str)
+def test_a_one_off_does_not_push_a_popular_document_out(admission: str | None) -> None:
     """Host memory with room for two pieces; a popular document beside a new one-off in every
     prompt. By frequency the one-offs are refused before their rows are copied (nothing
     prepared); by recency each evicts the popular document, which is computed again."""
     per_piece = 40 * LAYERS * 2 * HEADS * DIM * 4  # dense fp32 rows of a 40-token piece
-    gate = FrequencyAdmission.for_entries(64) if admission else None
-    registry = ChunkRegistry(2 * per_piece + 4096, SPEC, admission=gate)
+    capacity = 2 * per_piece + 4096
+    gate = (
+        FrequencyAdmission.for_entries(64, capacity if admission == "adaptive" else None)
+        if admission
+        else None
+    )
+    registry = ChunkRegistry(capacity, SPEC, admission=gate)
     capture = AutoCapture(
         registry, frozenset({BREAK}), SegmentRule(32, 512, 256), 600, None, admission=gate
     )
@@ -200,6 +205,11 @@ def test_a_one_off_does_not_push_a_popular_document_out(admission: bool) -> None
         assert kept and chunk_hash(one_offs[0]) in registry.store  # the free bytes: anyone's
         assert counts["refused"] == 3 and counts["captured"] == 2
         assert registry.stats()["refused_by_frequency"] == 0  # refused before any copy
+        admission = registry.stats()["admission"]  # what /server_info reports
+        assert admission["mode"] == "frequency"
+        if gate is not None and gate.shadows:  # adaptive: the shadows saw what the rule serves
+            assert admission["shadow_hit_bytes"]["frequency"] > 0
     else:
         assert not kept and counts["refused"] == 0
+        assert registry.stats()["admission"] is None
         assert counts["captured"] >= 4  # the popular document computed and kept again

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 import pytest
 
 from sglang_hicache_ext.tiers.chunks.admission import (
+    LEAD_MEMORY,
     MAX_COUNT,
     FrequencyAdmission,
     FrequencySketch,
+    StoreShadow,
+    digest_of,
 )
 from sglang_hicache_ext.tiers.chunks.host_cache import (
     HostCacheFullError,
@@ -147,3 +150,67 @@ def test_without_admission_every_piece_evicts_by_recency() -> None:
     host.put("a", _Blob(60), by_frequency=True)
     assert host.would_admit("b", 60)
     assert host.put("b", _Blob(60), by_frequency=True) == ["a"]
+
+
+def _replay(admission: FrequencyAdmission, prompts: list[list[str]]) -> None:
+    for prompt in prompts:
+        admission.record_prompt([(key, 10) for key in prompt])
+
+
+def test_adaptive_admission_follows_recency_where_reuse_is_a_second_sight() -> None:
+    """A conversation: each turn's piece is seen again in the next turn, then never. By
+    frequency each new piece ties with the pieces it would evict (all seen once) and is
+    refused, so the next turn finds nothing; the adaptive admission's shadows see the
+    recency rule serve those second sights and it admits every piece, counted as such."""
+    adaptive = FrequencyAdmission.for_entries(64, capacity_bytes=30)
+    turns = [[f"turn{t}", f"turn{t + 1}"] for t in range(40)]
+    _replay(adaptive, turns)
+    frequency, recency = adaptive.shadows["frequency"], adaptive.shadows["recency"]
+    assert recency.hit_bytes > 0 and frequency.hit_bytes < recency.hit_bytes / 2
+    assert adaptive.mode == "recency"
+    host = HostChunkCache(30, adaptive)
+    for key in ("a", "b", "c"):
+        host.put(key, _Blob(10), by_frequency=True)
+    assert host.put("turn41", _Blob(10), by_frequency=True) == ["a"]
+    stats = host.stats()
+    assert (stats.admitted_by_recency, stats.admitted_by_frequency) == (1, 0)
+
+
+def test_adaptive_admission_follows_frequency_where_one_offs_would_push_popular_out() -> None:
+    adaptive = FrequencyAdmission.for_entries(64, capacity_bytes=30)
+    _replay(adaptive, [["popular", f"once{i}", f"other{i}", "hot"] for i in range(40)])
+    assert adaptive.shadows["frequency"].hit_bytes > adaptive.shadows["recency"].hit_bytes
+    assert adaptive.mode == "frequency"
+    assert not adaptive.admit("once99", ["popular"], count=False)
+
+
+def test_adaptive_shadows_stay_within_the_budget_and_their_lead_is_recent() -> None:
+    """Seven keys of 10 bytes in a budget of 100, over and over: the shadows hold them all,
+    and what each served is a decayed sum over about LEAD_MEMORY x 8 recent sights, so it
+    settles at 10 x (1 / (1 - decay) - 1) = 310 instead of growing with the run."""
+    adaptive = FrequencyAdmission.for_entries(64, capacity_bytes=100)
+    _replay(adaptive, [[f"k{i % 7}"] for i in range(5000)])
+    for shadow in adaptive.shadows.values():
+        assert shadow.used <= 100 and len(shadow.entries) == 7
+    decay = 1 - 1 / (LEAD_MEMORY * 8)
+    assert adaptive.shadows["recency"].hit_bytes == pytest.approx(10 * decay / (1 - decay))
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        FrequencyAdmission.for_entries(64, capacity_bytes=0)
+
+
+def test_shadow_with_a_disk_below_serves_what_host_memory_wrote_through() -> None:
+    """Host memory for one piece, a disk tier for ten: every piece host memory took is found
+    below after host memory evicted it, and promoted back; one refused at host memory's door
+    never reaches the disk."""
+    sketch = FrequencySketch.for_entries(64)
+    recency = StoreShadow(10, by_frequency=False, lower_bytes=100)
+    for key in ("a", "b", "a"):  # a evicted from host memory by b, then found on disk
+        sketch.record(key)
+        recency.sight(digest_of(key), 10, sketch)
+    assert recency.hit_bytes == 10 and list(recency.entries) == [digest_of("a")]
+    assert recency.lower is not None and len(recency.lower.entries) == 2
+    frequency = StoreShadow(10, by_frequency=True, lower_bytes=100)
+    for key in ("a", "a", "b", "b", "c"):  # c was seen once: refused, not written below
+        sketch.record(key)
+        frequency.sight(digest_of(key), 10, sketch)
+    assert frequency.lower is not None and digest_of("c") not in frequency.lower.entries

@@ -14,10 +14,12 @@ Only rows the model computed for this prompt are kept: in a fused prefill the pi
 a reused chunk hold recovered rows, so only pieces computed whole are taken. At most
 `auto_chunks_per_minute` pieces are kept per minute; pieces over the cap are counted, not kept.
 
-Under memory pressure (`chunk_admission: "frequency"`) a piece must win its place: every sight
-of a piece, and of each stored chunk a prompt holds, is recorded in a frequency sketch, and a
-piece that does not fit in host memory's free bytes is kept only when it was seen more often
-than each chunk its eviction would drop (`tiers/chunks/admission.py`). The question is asked
+Under memory pressure (`chunk_admission: "adaptive"` or `"frequency"`) a piece must win its
+place: every sight of a piece, and of each stored chunk a prompt holds, is recorded in a
+frequency sketch (and, adaptive, replayed with its bytes by two key-only shadows of host memory),
+and a piece that does not fit in host memory's free bytes is kept only when it was seen more
+often than each chunk its eviction would drop, or, while the shadow admitting everything leads,
+always (`tiers/chunks/admission.py`). The question is asked
 before its rows are copied out, so a piece that would be refused costs nothing but a count
 ("refused"); it is asked again when the piece is stored, where the answer counts.
 
@@ -228,25 +230,23 @@ class AutoCapture:
         if not pieces:
             return 0
         covered = np.zeros(len(tokens), dtype=bool)
-        sighted: set[str] = set()  # this prompt's sights: the chunks it holds, its pieces
-        for match in self.registry.find(tokens):  # other servers' pieces too: kept once
-            covered[match.prompt_start : match.prompt_end] = True
-            sighted.add(match.chunk_id)
-        spans = [(start, end, chunk_hash(tokens[start:end])) for start, end in pieces]
-        shares = [float(covered[start:end].mean()) for start, end, _ in spans]
-        sighted.update(
-            chunk_id
-            for (_, _, chunk_id), share in zip(spans, shares, strict=True)
-            if share < _COVERED
-        )
-        if self.admission is not None:  # recorded before any piece is judged by them
-            for chunk_id in sorted(sighted):
-                self.admission.record(chunk_id)
-        todo: list[tuple[int, int, str]] = []
-        todo_ids: set[str] = set()
         # Dense: a codec stores fewer, so admission weighs a piece as larger than it is (refuses
         # rather than admits wrongly).
         row_bytes = bytes_per_token(kv_pool) if self.admission is not None else 0
+        # This prompt's sights, in prompt order, with their bytes: the chunks it holds, its pieces.
+        sighted: dict[str, int] = {}
+        for match in self.registry.find(tokens):  # other servers' pieces too: kept once
+            covered[match.prompt_start : match.prompt_end] = True
+            sighted.setdefault(match.chunk_id, (match.prompt_end - match.prompt_start) * row_bytes)
+        spans = [(start, end, chunk_hash(tokens[start:end])) for start, end in pieces]
+        shares = [float(covered[start:end].mean()) for start, end, _ in spans]
+        for (start, end, chunk_id), share in zip(spans, shares, strict=True):
+            if share < _COVERED:
+                sighted.setdefault(chunk_id, (end - start) * row_bytes)
+        if self.admission is not None:  # recorded before any piece is judged by them
+            self.admission.record_prompt(list(sighted.items()))
+        todo: list[tuple[int, int, str]] = []
+        todo_ids: set[str] = set()
         for (start, end, chunk_id), share in zip(spans, shares, strict=True):
             # Stored already, being prepared, or earlier in this prompt: also a chunk the index
             # cannot match (its anchors are too common, e.g. one token repeated).

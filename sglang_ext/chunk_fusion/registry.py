@@ -363,4 +363,19 @@ class ChunkRegistry:
             "found_in_shared_tier": self.shared_found,
             "disk": None if stats.disk is None else stats.disk.__dict__,
             "mooncake": None if stats.remote is None else dataclasses.asdict(stats.remote),
+            "admission": self._admission_state(),
+        }
+
+    def _admission_state(self) -> dict[str, Any] | None:
+        """How host memory admits pieces kept from traffic now (None: every piece, by LRU)."""
+        admission = self.store.host.admission
+        if admission is None:
+            return None
+        return {
+            "mode": admission.mode,
+            "sketch_bytes": admission.sketch.memory_bytes,
+            # What each rule would have served lately (decayed bytes): the mode follows the lead.
+            "shadow_hit_bytes": {
+                rule: round(shadow.hit_bytes) for rule, shadow in admission.shadows.items()
+            },
         }

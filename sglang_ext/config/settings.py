@@ -309,15 +309,17 @@ class ExtensionSettings(BaseModel):
         description="Most pieces auto_chunks keeps per minute (each copies its rows and may "
         "write them to disk on the scheduler thread); pieces over the cap are counted, not kept.",
     )
-    # On: one-off documents no longer push the popular ones out of host memory
-    # (benchmarks/results/chunk_admission_trace.json, docs/auto-chunks.md).
-    chunk_admission: Literal["frequency", "lru"] = Field(
-        "frequency",
+    # One-off documents no longer push popular ones out, and a conversation's next turn is
+    # still reused (docs/auto-chunks.md, "Under memory pressure").
+    chunk_admission: Literal["adaptive", "frequency", "lru"] = Field(
+        "adaptive",
         description="Which pieces kept by auto_chunks may take a place in host memory when it "
         "is full. frequency: a piece evicts the least recently used chunks only when it was "
         "seen more often than each of them (a TinyLFU frequency sketch of every piece's "
         "sights), else it is refused and its rows are never copied out; lru: every piece "
-        "evicts the least recently used. Registered chunks (POST /chunks) are always admitted.",
+        "evicts the least recently used; adaptive: frequency or lru, whichever would have "
+        "served more of the recent sights (two key-only replays of host memory's budget, "
+        "about 100 bytes a chunk each). Registered chunks (POST /chunks) are always admitted.",
     )
     chunk_admission_sketch_entries: int = Field(
         10_000,

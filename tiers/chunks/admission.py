@@ -13,7 +13,12 @@ are hashed with BLAKE2b, not Python's per-process `hash`, so a sketch written wi
 reads back with the same answers after a restart.
 
 `FrequencyAdmission.admit(candidate, victims)` is the TinyLFU decision: a new piece takes the
-place of the entries an eviction would drop only when it has been seen more often than each. Nothing here
+place of the entries an eviction would drop only when it has been seen more often than each.
+Where most reuse is a piece's second sight (a conversation's next turn) that rule refuses what
+would have been reused, so with a budget it is adaptive: two `StoreShadow`s replay every sight
+with keys and sizes only, one admitting by frequency and one admitting everything, and the
+decision follows the one that would have served more lately (the set-dueling idea of Qureshi
+et al., "Adaptive Insertion Policies for High Performance Caching", 2007). Nothing here
 imports SGLang; the chunk tiers decide what a key is and when a sight counts.
 """
 
@@ -21,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -32,7 +39,10 @@ _HEADER = struct.Struct("<4sIIIQ")  # magic, width, doorkeeper bits, sample size
 _MAGIC = b"TLFU"
 
 
-def _digest(key: str) -> tuple[int, int]:
+Digest = tuple[int, int]
+
+
+def digest_of(key: str) -> Digest:
     """Two independent 64-bit hashes of `key` (double hashing derives every index from them)."""
     h = hashlib.blake2b(key.encode(), digest_size=16).digest()
     first, second = struct.unpack("<QQ", h)
@@ -80,8 +90,8 @@ class FrequencySketch:
     def memory_bytes(self) -> int:
         return self.counters.nbytes + self.doorkeeper.nbytes
 
-    def _slots(self, key: str) -> tuple[np.ndarray, list[int]]:
-        first, step = _digest(key)
+    def _slots(self, digest: Digest) -> tuple[np.ndarray, list[int]]:
+        first, step = digest
         mask = self.width - 1
         columns = np.array([(first + i * step) & mask for i in range(DEPTH)], dtype=np.int64)
         door_mask = self.doorkeeper_bits - 1
@@ -93,7 +103,11 @@ class FrequencySketch:
 
     def record(self, key: str) -> None:
         """One sight of `key`."""
-        columns, bits = self._slots(key)
+        self.record_digest(digest_of(key))
+
+    def record_digest(self, digest: Digest) -> None:
+        """`record` of the key whose `digest_of` this is."""
+        columns, bits = self._slots(digest)
         if not self._in_doorkeeper(bits):
             for b in bits:
                 self.doorkeeper[b >> 3] |= np.uint8(1 << (b & 7))
@@ -112,7 +126,11 @@ class FrequencySketch:
     def estimate(self, key: str) -> int:
         """How often `key` was seen in the window (decayed): 0 for a key never seen, 1 after
         one sight; may be too high when keys collide, never too low."""
-        columns, bits = self._slots(key)
+        return self.estimate_digest(digest_of(key))
+
+    def estimate_digest(self, digest: Digest) -> int:
+        """`estimate` of the key whose `digest_of` this is."""
+        columns, bits = self._slots(digest)
         count = int(self.counters[np.arange(DEPTH), columns].min())
         return count + (1 if self._in_doorkeeper(bits) else 0)
 
@@ -151,29 +169,163 @@ class FrequencySketch:
         return sketch
 
 
+class StoreShadow:
+    """The keys and sizes host memory would hold under one admission rule, and the bytes it
+    would have served, with no values: what that rule would have done with the same sights.
+
+    Host memory (`capacity_bytes`) evicts the least recently used. With `by_frequency`, a key
+    that does not fit in its free bytes enters only when `sketch` counts it seen more often
+    than each key it would evict (TinyLFU's rule); without, every key enters (plain LRU). With
+    `lower_bytes`, a disk tier below: every key host memory takes is written through to it (an
+    LRU of that budget), a key found only there is served and promoted back without
+    admission, as `ChunkTiers` does. Holds at most the keys that fit in the budgets, about 100
+    bytes each."""
+
+    def __init__(
+        self, capacity_bytes: int, by_frequency: bool, lower_bytes: int | None = None
+    ) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.by_frequency = by_frequency
+        self.entries: OrderedDict[Digest, int] = OrderedDict()  # least recently used first
+        self.used = 0
+        self.lower = None if lower_bytes is None else StoreShadow(lower_bytes, by_frequency=False)
+        self.hit_bytes = 0.0  # decayed by the owner, as the sketch's counts are
+
+    def sight(self, digest: Digest, nbytes: int, sketch: FrequencySketch) -> None:
+        """One sight of a key of `nbytes`: a hit if held here or below, else stored if the
+        rule lets it in."""
+        if digest in self.entries:
+            self.entries.move_to_end(digest)
+            self.hit_bytes += nbytes
+            return
+        if self.lower is not None and digest in self.lower.entries:
+            self.lower.entries.move_to_end(digest)
+            self.hit_bytes += nbytes
+            self._store(digest, nbytes, self._victims(nbytes))  # promoted: no admission
+            return
+        victims = self._victims(nbytes)
+        if victims is None:
+            return
+        if self.by_frequency and victims:
+            best = max(sketch.estimate_digest(victim) for victim in victims)
+            if sketch.estimate_digest(digest) <= best:
+                return
+        self._store(digest, nbytes, victims)
+        if self.lower is not None:
+            self.lower.insert(digest, nbytes)
+
+    def insert(self, digest: Digest, nbytes: int) -> None:
+        """Store a key, evicting the least recently used (a write-through from above)."""
+        if digest in self.entries:
+            self.entries.move_to_end(digest)
+            return
+        self._store(digest, nbytes, self._victims(nbytes))
+
+    def _victims(self, nbytes: int) -> list[Digest] | None:
+        """The keys an insert of `nbytes` would evict, least recently used first; None when it
+        is larger than the budget."""
+        if nbytes > self.capacity_bytes:
+            return None
+        victims: list[Digest] = []
+        free = self.capacity_bytes - self.used
+        for key, size in self.entries.items():
+            if free >= nbytes:
+                break
+            victims.append(key)
+            free += size
+        return victims
+
+    def _store(self, digest: Digest, nbytes: int, victims: list[Digest] | None) -> None:
+        if victims is None:
+            return
+        for victim in victims:
+            self.used -= self.entries.pop(victim)
+        self.entries[digest] = nbytes
+        self.used += nbytes
+
+
+Mode = Literal["frequency", "recency"]
+LEAD_MEMORY = 4  # host memory's entries, times: how many recent sights the adaptive lead sums
+
+
 @dataclass
 class FrequencyAdmission:
-    """TinyLFU's admission decision over a `FrequencySketch`, with what it decided counted."""
+    """TinyLFU's admission decision over a `FrequencySketch`, with what it decided counted.
+
+    With `capacity_bytes` (host memory's), adaptive: two `StoreShadow`s of that size (and of
+    the disk tier's `lower_bytes` below, if any) replay every sight, one admitting by
+    frequency, one admitting everything, and the decision follows the one that would have
+    served more bytes lately (`mode`). Frequency wins where one-off pieces
+    would push popular ones out; recency wins where most reuse is a piece's second sight (the
+    next turn of a conversation), which admission by frequency refuses. Without it, always by
+    frequency."""
 
     sketch: FrequencySketch
+    capacity_bytes: int | None = None
+    lower_bytes: int | None = None
     admitted: int = 0
     refused: int = 0
+    shadows: dict[Mode, StoreShadow] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes is not None:
+            if self.capacity_bytes <= 0:
+                raise ValueError(f"capacity_bytes must be positive, got {self.capacity_bytes}")
+            self.shadows = {
+                "frequency": StoreShadow(self.capacity_bytes, True, self.lower_bytes),
+                "recency": StoreShadow(self.capacity_bytes, False, self.lower_bytes),
+            }
 
     @classmethod
-    def for_entries(cls, expected_keys: int) -> FrequencyAdmission:
-        return cls(FrequencySketch.for_entries(expected_keys))
+    def for_entries(
+        cls, expected_keys: int, capacity_bytes: int | None = None, lower_bytes: int | None = None
+    ) -> FrequencyAdmission:
+        return cls(FrequencySketch.for_entries(expected_keys), capacity_bytes, lower_bytes)
+
+    @property
+    def mode(self) -> Mode:
+        """How `admit` decides now: "frequency" (TinyLFU) or "recency" (every piece admitted).
+        A tie, and the start, are frequency's."""
+        if not self.shadows:
+            return "frequency"
+        lead = self.shadows["frequency"].hit_bytes >= self.shadows["recency"].hit_bytes
+        return "frequency" if lead else "recency"
 
     def record(self, key: str) -> None:
+        """One sight of `key` in the sketch only (no size: the shadows do not see it)."""
         self.sketch.record(key)
+
+    def record_prompt(self, sights: Sequence[tuple[str, int]]) -> None:
+        """The sights of one prompt, `(key, nbytes)` each: all counted in the sketch first (so
+        that none is judged before the prompt's others are counted), then replayed by the
+        shadows in order."""
+        digests = [(digest_of(key), nbytes) for key, nbytes in sights]
+        for digest, _ in digests:
+            self.sketch.record_digest(digest)
+        for digest, nbytes in digests:
+            for shadow in self.shadows.values():
+                shadow.sight(digest, nbytes, self.sketch)
+                shadow.hit_bytes *= self._decay()
+
+    def _decay(self) -> float:
+        """The factor each sight scales what the shadows served by: the lead is a sum over
+        about the last `LEAD_MEMORY` times as many sights as host memory holds entries, so a
+        lead won while one rule had no time to show its worth (the warm-up) does not last."""
+        held = max(len(shadow.entries) for shadow in self.shadows.values())
+        return 1.0 - 1.0 / (LEAD_MEMORY * max(8, held))
 
     def admit(self, candidate: str, victims: Sequence[str], *, count: bool = True) -> bool:
         """Whether `candidate` should take the place of `victims` (the entries an eviction would
-        drop for it, in the order it would drop them): only when it was seen more often than
-        each of them. No victims (it fits as it is): admitted. A tie keeps the victim, which
-        holds a popular entry against a stream of pieces seen as often as it once was.
-        `count=False` asks without counting the answer (a look before the work it saves)."""
-        best = max((self.sketch.estimate(victim) for victim in victims), default=-1)
-        decision = self.sketch.estimate(candidate) > best
+        drop for it, in the order it would drop them). By frequency: only when it was seen more
+        often than each of them; no victims (it fits as it is): admitted. A tie keeps the
+        victim, which holds a popular entry against a stream of pieces seen as often as it once
+        was. By recency: always. `count=False` asks without counting the answer (a look before
+        the work it saves)."""
+        if self.mode == "recency":
+            decision = True
+        else:
+            best = max((self.sketch.estimate(victim) for victim in victims), default=-1)
+            decision = self.sketch.estimate(candidate) > best
         if count:
             if decision:
                 self.admitted += 1

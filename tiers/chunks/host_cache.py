@@ -57,6 +57,8 @@ class HostCacheStats(LruCounts):
     # were seen more often than the entries they evicted, and those refused at the door.
     admitted_by_frequency: int
     refused_by_frequency: int
+    # Inserts that did not fit, admitted while the adaptive admission followed recency.
+    admitted_by_recency: int
 
 
 class NotAdmittedError(HostCacheFullError):
@@ -116,6 +118,7 @@ class HostChunkCache(Generic[V]):
                 "rejected",
                 "admitted_by_frequency",
                 "refused_by_frequency",
+                "admitted_by_recency",
             ),
             0,
         )
@@ -215,8 +218,9 @@ class HostChunkCache(Generic[V]):
         if not victims:
             return  # fits in the free bytes: no one loses a place, nothing to decide
         assert self.admission is not None
+        by_recency = self.admission.mode == "recency"
         if self.admission.admit(key, victims):
-            self._counts["admitted_by_frequency"] += 1
+            self._counts["admitted_by_recency" if by_recency else "admitted_by_frequency"] += 1
             return
         self._counts["refused_by_frequency"] += 1
         raise NotAdmittedError(
