@@ -305,7 +305,10 @@ class FrequencyAdmission:
         for digest, nbytes in digests:
             for shadow in self.shadows.values():
                 shadow.sight(digest, nbytes, self.sketch)
-                shadow.hit_bytes *= self._decay()
+            if self.shadows:
+                decay = self._decay()  # once a sight, from what both shadows hold after it
+                for shadow in self.shadows.values():
+                    shadow.hit_bytes *= decay
 
     def _decay(self) -> float:
         """The factor each sight scales what the shadows served by: the lead is a sum over
