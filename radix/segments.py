@@ -18,6 +18,7 @@ Paragraphs shorter than `min_tokens` (questions, labels, instructions) are not p
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,25 @@ def document_segments(
         else:
             spans.extend(_content_cuts(ids, start, end, rule))
     return spans
+
+
+# A piece's sights are counted by its last tokens: a label a client puts before a document
+# ("Document 3. ", "[12]") is among its first tokens, which the key leaves out.
+SIGHT_KEY_TOKENS = 24
+LABEL_TOKENS = 8
+
+
+def sight_key(token_ids: Sequence[int]) -> str:
+    """What makes two sights of a piece the same content, for counting how often it is seen:
+    a hash of its last `SIGHT_KEY_TOKENS` tokens, never of its first `LABEL_TOKENS` (a
+    shorter piece: all of it after them). The same paragraph under any label, at any
+    position, is one key, where the piece's own id (the hash of all its tokens) is one per
+    label; two pieces that end alike are one key too, which only overestimates their counts,
+    as a frequency sketch's collisions do."""
+    n = len(token_ids)
+    start = max(n - SIGHT_KEY_TOKENS, min(LABEL_TOKENS, n - 1), 0)
+    tail = np.asarray(token_ids[start:], dtype="<u4").tobytes()
+    return "sight:" + hashlib.blake2b(tail, digest_size=16).hexdigest()
 
 
 def _content_cuts(

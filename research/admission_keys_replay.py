@@ -5,10 +5,12 @@ host memory 1.5x the popular set's dense KV) replayed offline through the shippe
 `HostChunkCache` and `FrequencyAdmission`, with the pieces keyed two ways:
 
 - `position_free`: a paragraph is one key wherever it stands (what the trace benchmark assumes);
-- `labelled`: as the server keys a piece today, by the hash of its tokens, which include the
-  label the client puts before the paragraph ("Document 3. "): the same paragraph at another
-  position is another key, until one variant is stored; from then on the chunk index matches
-  the paragraph at any position and its sights are counted on the stored variant.
+- `labelled`: as the server keyed a piece before `radix/segments.py`'s `sight_key`, by the hash
+  of its tokens, which include the label the client puts before the paragraph ("Document 3. "):
+  the same paragraph at another position is another key, until one variant is stored; from then
+  on the chunk index matches the paragraph at any position and its sights are counted on the
+  stored variant. The server now counts sights by `sight_key` (a piece's last tokens, never its
+  first), which is `position_free` here.
 
 Reported: reused / seen-before tokens of the popular paragraphs after the first fifth, per
 `chunk_admission`, and how often the adaptive rule followed recency.

@@ -213,3 +213,32 @@ def test_a_one_off_does_not_push_a_popular_document_out(admission: str | None) -
         assert not kept and counts["refused"] == 0
         assert registry.stats()["admission"] is None
         assert counts["captured"] >= 4  # the popular document computed and kept again
+
+
+def test_a_document_under_another_label_in_each_prompt_is_counted_as_one() -> None:
+    """Host memory full of two pieces seen twice each; a document then arrives under another
+    label each time ("Document 3. ", "[12] ": other tokens, another length, inside its
+    paragraph), so each sight is another piece id. Its sights are counted by its content: its
+    third sight outnumbers the pieces it would evict and it is kept; no label is kept twice."""
+    per_piece = 42 * LAYERS * 2 * HEADS * DIM * 4  # dense fp32 rows, a labelled 40-token doc
+    capacity = 2 * per_piece + 4096
+    gate = FrequencyAdmission.for_entries(64)
+    registry = ChunkRegistry(capacity, SPEC, admission=gate)
+    capture = AutoCapture(
+        registry, frozenset({BREAK}), SegmentRule(32, 512, 256), 600, None, admission=gate
+    )
+    pool = _Pool(400, seed=8)
+    old_a, old_b, doc = _docs(3, seed=10)
+    for number in range(2):
+        _run(capture, pool, f"old{number}", _prompt([[7, 7, *old_a], [7, 7, *old_b]]))
+        capture.settle(wait=True)
+    assert capture.stats()["captured"] == 2
+    labels = [[1001], [1002, 1003], [1004, 1005, 1006]]
+    for number, label in enumerate(labels):
+        _run(capture, pool, f"doc{number}", _prompt([[*label, *doc]]))
+        capture.settle(wait=True)
+        held = [key for key, _ in registry.store.host.items()]
+        kept = [key for key in held if registry.index.tokens(key)[-40:] == tuple(doc)]
+        assert len(kept) == (1 if number == 2 else 0), number
+    counts = capture.stats()
+    assert (counts["refused"], counts["captured"]) == (2, 3)

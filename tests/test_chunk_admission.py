@@ -11,6 +11,8 @@ import pytest
 from sglang_hicache_ext.tiers.chunks.admission import (
     LEAD_MEMORY,
     MAX_COUNT,
+    WARM_UP_CAP,
+    WARM_UP_LEADS,
     FrequencyAdmission,
     FrequencySketch,
     StoreShadow,
@@ -214,3 +216,37 @@ def test_shadow_with_a_disk_below_serves_what_host_memory_wrote_through() -> Non
         sketch.record(key)
         frequency.sight(digest_of(key), 10, sketch)
     assert frequency.lower is not None and digest_of("c") not in frequency.lower.entries
+
+
+def test_adaptive_admission_stays_with_frequency_while_its_shadows_fill() -> None:
+    """The conversation above, where recency serves more: for its first WARM_UP_LEADS lead
+    spans of sights (LEAD_MEMORY x the entries held: 2 x 4 x 8 = 64 here) the rule is
+    frequency's, however the shadows' lead stands; then recency's. A small sketch caps the
+    warm-up (a sixteenth of its width in sights)."""
+    adaptive = FrequencyAdmission.for_entries(4096, capacity_bytes=30)
+    turns = [[f"turn{t}", f"turn{t + 1}"] for t in range(40)]
+    _replay(adaptive, turns[:31])  # 62 sights
+    assert adaptive.shadows["recency"].hit_bytes > adaptive.shadows["frequency"].hit_bytes
+    assert adaptive.mode == "frequency"
+    _replay(adaptive, turns[31:])
+    assert adaptive.sights == 80 >= WARM_UP_LEADS * LEAD_MEMORY * 8
+    assert adaptive.mode == "recency"
+    small = FrequencyAdmission.for_entries(256, capacity_bytes=30)
+    _replay(small, turns[:9])  # 18 sights >= 256 / WARM_UP_CAP
+    assert small.mode == "recency" and small.sketch.width // WARM_UP_CAP <= small.sights == 18
+
+
+def test_a_stored_key_is_estimated_by_the_key_its_sights_are_counted_under() -> None:
+    """A piece stored under one id ("Document 3. " + text) and seen under its content's key:
+    as a victim it is as often seen as that content, so a candidate seen once does not
+    evict it; an id never named is estimated by itself."""
+    admission = FrequencyAdmission.for_entries(64)
+    for _ in range(3):
+        admission.record_prompt([("sight:text", 10), ("sight:once", 10)])
+    admission.record_prompt([("sight:new", 10)])
+    assert not admission.admit("stored-id", ["other-id"], count=False)  # 0 > 0: refused
+    admission.count_as("stored-id", "sight:text")
+    admission.count_as("candidate-id", "sight:new")
+    assert not admission.admit("candidate-id", ["stored-id"], count=False)  # 1 vs 3
+    assert admission.admit("stored-id", ["candidate-id"], count=False)  # 3 vs 1
+    assert admission.admit("candidate-id", ["never-named"], count=False)  # 1 vs 0

@@ -141,10 +141,11 @@ def refused_launches(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Future[RefusedLaunch]]]:
     """The launches this module expects refused, keyed by their test's name, run two at a time
-    from the first test that asks (the selected tests' launches only). Two are real
-    `python -m sglang.launch_server` subprocesses (~12 s of single-threaded imports before the
-    one line, both at once on the 2 cores); the others are forked from the test zygote, which
-    runs the same launch module as `__main__` without the imports (`refused_launch`)."""
+    from the first test that asks (the selected tests' launches only). One is a real
+    `python -m sglang.launch_server` subprocess (the plain path, ~12 s of single-threaded
+    imports before the one line; a second one cost as much again for the same path); the others
+    are forked from the test zygote, which runs the same launch module as `__main__` without the
+    imports (`refused_launch`)."""
     folder = tmp_path_factory.mktemp("refused_launches")
     disks = [tmp_path_factory.mktemp("chunk_disk") for _ in range(2)]  # one per launch
     files = {
@@ -182,7 +183,7 @@ def refused_launches(
                 {CONFIG_ENV_VAR: str(folder / "codec.json")},
             ),
         }
-        real = {"test_launch_with_bad_setting", "test_launch_on_busy_port"}
+        real = {"test_launch_with_bad_setting"}
         selected = {item.name for item in request.session.items}
         yield {
             name: pool.submit(

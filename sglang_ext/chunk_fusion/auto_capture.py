@@ -38,7 +38,6 @@ document's second sight is reused however soon it comes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import Counter, deque
@@ -50,11 +49,10 @@ import cachetools
 import numpy as np
 import torch
 
+from sglang_hicache_ext.fusion.captured_piece import CapturedPiece, prepared_pieces
 from sglang_hicache_ext.fusion.chunk import chunk_hash
-from sglang_hicache_ext.fusion.frequency import stacked_frequency_scores
-from sglang_hicache_ext.fusion.rope import LayerRopes, unrotate_layers
 from sglang_hicache_ext.radix.chunk_index import ChunkIndex
-from sglang_hicache_ext.radix.segments import SegmentRule, document_segments
+from sglang_hicache_ext.radix.segments import SegmentRule, document_segments, sight_key
 from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import TensorParallel
 from sglang_hicache_ext.sglang_ext.chunk_fusion.pool_rows import bytes_per_token, layer_rows
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
@@ -80,52 +78,6 @@ OUTCOMES = (
     "failed",
     "ranks_disagree",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """A piece ready for the store: its tokens, what came before it, its pre-RoPE rows."""
-
-    chunk_id: str
-    token_ids: list[int]
-    prefix: tuple[int, ...]
-    keys: list[torch.Tensor]  # per layer
-    values: list[torch.Tensor]
-    freq_scores: torch.Tensor
-
-
-def _prepared(
-    tokens: list[int],
-    spans: list[tuple[int, int, str]],
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    rope: LayerRopes,
-    alpha: float,
-) -> list[_Piece]:
-    """The pieces at `spans` (start, end, chunk id) of `tokens` with their rows: `keys` and
-    `values` are the rows of all of them, in order, as the pool held them ([L, n, H, D]); keys
-    rotated back from `positions`, one copy per piece, scores. Runs on the background thread."""
-    keys = unrotate_layers(keys, positions.to(keys.device), rope).cpu()
-    values = values.cpu()
-    ready, offset = [], 0
-    for start, end, chunk_id in spans:
-        rows = slice(offset, offset + end - start)
-        # One copy of the piece's rows: a view would keep the whole prompt's rows alive as
-        # long as any one piece of it stays stored.
-        piece_keys, piece_values = keys[:, rows].clone(), values[:, rows].clone()
-        ready.append(
-            _Piece(
-                chunk_id,
-                tokens[start:end],
-                tuple(tokens[:start]),
-                list(piece_keys.unbind(0)),
-                list(piece_values.unbind(0)),
-                stacked_frequency_scores(piece_keys, piece_values, alpha),
-            )
-        )
-        offset += end - start
-    return ready
 
 
 class AutoCapture:
@@ -166,7 +118,7 @@ class AutoCapture:
         self._seen: cachetools.FIFOCache[str, None] = cachetools.FIFOCache(_SEEN_REQUESTS)
         # background=False prepares pieces on the caller's thread (tests, in-process use).
         self._worker = ShortLivedWorker("hicache-ext-capture") if background else None
-        self._jobs: deque[tuple[Future[list[_Piece]], frozenset[str]]] = deque()
+        self._jobs: deque[tuple[Future[list[CapturedPiece]], frozenset[str]]] = deque()
         # Rows in host memory: the forward runs on the cores the preparation would use.
         self._pool_on_cpu = False
         # The pieces in `_jobs`, indexed as the registry indexes chunks: a later prompt that
@@ -237,12 +189,13 @@ class AutoCapture:
         sighted: dict[str, int] = {}
         for match in self.registry.find(tokens):  # other servers' pieces too: kept once
             covered[match.prompt_start : match.prompt_end] = True
-            sighted.setdefault(match.chunk_id, (match.prompt_end - match.prompt_start) * row_bytes)
+            chunk_tokens = self.registry.index.tokens(match.chunk_id)
+            self._sight(sighted, match.chunk_id, chunk_tokens, match.length * row_bytes)
         spans = [(start, end, chunk_hash(tokens[start:end])) for start, end in pieces]
         shares = [float(covered[start:end].mean()) for start, end, _ in spans]
         for (start, end, chunk_id), share in zip(spans, shares, strict=True):
             if share < _COVERED:
-                sighted.setdefault(chunk_id, (end - start) * row_bytes)
+                self._sight(sighted, chunk_id, tokens[start:end], (end - start) * row_bytes)
         if self.admission is not None:  # recorded before any piece is judged by them
             self.admission.record_prompt(list(sighted.items()))
         todo: list[tuple[int, int, str]] = []
@@ -277,6 +230,16 @@ class AutoCapture:
         self.seconds += time.perf_counter() - began
         return len(todo)
 
+    def _sight(
+        self, sighted: dict[str, int], chunk_id: str, tokens: Sequence[int], nbytes: int
+    ) -> None:
+        """A sight of a piece, by its content (`sight_key`): the same paragraph under another
+        label is another chunk id but the same sight."""
+        if self.admission is not None:
+            key = sight_key(tokens)
+            self.admission.count_as(chunk_id, key)
+            sighted.setdefault(key, nbytes)
+
     def _submit(
         self,
         tokens: list[int],
@@ -292,10 +255,10 @@ class AutoCapture:
         self._pool_on_cpu = keys.device.type == "cpu"
         args = (tokens, spans, keys, values, index, self.registry.rope, self.registry.alpha)
         if self._worker is None:
-            self._store(_prepared(*args))
+            self._store(prepared_pieces(*args))
             return
         ids = frozenset(chunk_id for _, _, chunk_id in spans)
-        self._jobs.append((self._worker.submit(_prepared, *args), ids))
+        self._jobs.append((self._worker.submit(prepared_pieces, *args), ids))
         for start, end, chunk_id in spans:
             self._pending.add(chunk_id, tokens[start:end])
 
@@ -334,11 +297,11 @@ class AutoCapture:
                     self._count("failed", 0)
         self.seconds += time.perf_counter() - began
 
-    def _store(self, pieces: list[_Piece]) -> None:
+    def _store(self, pieces: list[CapturedPiece]) -> None:
         for piece in pieces:
             self._count(self._store_piece(piece), len(piece.token_ids))
 
-    def _store_piece(self, piece: _Piece) -> str:
+    def _store_piece(self, piece: CapturedPiece) -> str:
         """Store one prepared piece; its outcome."""
         if piece.chunk_id in self.registry.store:
             return "captured"  # registered meanwhile (POST /chunks of the same document)
