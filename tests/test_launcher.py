@@ -26,7 +26,12 @@ STAND_IN = """
 import http.server, pathlib, sys, time
 port, delay_s, stamp = int(sys.argv[1]), float(sys.argv[2]), pathlib.Path(sys.argv[3])
 stamp.write_text(repr(time.time()))
-if delay_s < 0:
+if delay_s < 0:  # a cause, then pages of shutdown noise
+    print("Traceback (most recent call last):")
+    print("  File 'x.py', line 1")
+    print("ValueError: the cause")
+    for i in range(100):
+        print(f"shutting down part {i}", flush=True)
     sys.exit(3)
 time.sleep(delay_s)
 
@@ -80,9 +85,12 @@ def test_servers_start_together_and_all_stop(tmp_path: Path) -> None:
 def test_a_failed_start_stops_the_servers_already_started(tmp_path: Path) -> None:
     healthy, failing = _stand_in(tmp_path, "a", 0.0), _stand_in(tmp_path, "b", -1.0)
     with (
-        pytest.raises(ServerStartError, match="exited with status 3"),
+        pytest.raises(ServerStartError, match="exited with status 3") as raised,
         running_servers([healthy, failing]),
     ):
         pytest.fail("yielded although a server did not start")
     assert (tmp_path / "a.ready").exists()  # a did come up, and was stopped again
+    # The cause, logged before the last 40 lines, is in the message beside them.
+    assert "ValueError: the cause" in str(raised.value)
+    assert "shutting down part 99" in str(raised.value)
     assert not _listening(healthy[0].port)

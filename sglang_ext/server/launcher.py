@@ -130,10 +130,23 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _tail(path: Path, lines: int = 40) -> str:
+    """The log's last `lines` lines, and before them its first traceback when the tail does not
+    hold it: a process that fails in one rank or thread often logs pages of shutdown after the
+    cause (a start that failed under load once showed only those)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    tail = text[-lines:]
+    first = next((i for i, line in enumerate(text) if line.startswith("Traceback")), None)
+    if first is None or first >= len(text) - lines:
+        return "\n".join(tail)
+    end = next(
+        (i + 1 for i in range(first + 1, len(text)) if text[i] and not text[i][0].isspace()),
+        len(text),
+    )
+    cause = text[first : min(end, first + lines)]
+    return "\n".join([*cause, f"... ({len(text) - lines - first - len(cause)} lines) ...", *tail])
 
 
 class ServerProcess(Protocol):
