@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -65,8 +66,20 @@ def write_json(path: Path, value: Any, indent: int = 1) -> None:
 
 def report_header(module: str) -> dict[str, str]:
     """The first keys of a report of benchmark `module` ("benchmarks.auto_reuse"): the command
-    line it ran as and the model it measured."""
-    return {"command": f"python -m {module} " + " ".join(sys.argv[1:]), "model": MODEL}
+    line it ran as, the commit it ran at ("-dirty" with uncommitted changes; None outside a
+    checkout) and the model it measured."""
+    described = subprocess.run(
+        ["git", "describe", "--always", "--dirty"],
+        cwd=Path(__file__).resolve().parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return {
+        "command": f"python -m {module} " + " ".join(sys.argv[1:]),
+        "commit": described.stdout.strip() or None,
+        "model": MODEL,
+    }
 
 
 def write_report(
