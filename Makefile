@@ -75,14 +75,17 @@ $(MODELS_STAMP): $(STAMP) scripts/prepare_models.py | $(PACKAGE_STAMP)
 models-qwen: env
 	$(PY) scripts/prepare_models.py qwen-coder
 
-# The import check and the models are one process each, so they run at once, and the tests start
-# when both are done; ruff and mypy (one process each, ~30 s cold) run beside them and the tests'
-# collection instead of before (they delayed the tests' start by ~20 s). A lint or type error
-# still fails `make test`, after the tests have run.
+# The import check, the models, ruff and mypy are one process each and run at once; the tests
+# start once the import check has written the server's bytecode (39 s from nothing), while the
+# models are still being prepared (SmolLM2 from its GGUF: ~80 s from nothing) and ruff and mypy
+# run: the tests' collection takes that time anyway, and a test that needs a model still being
+# prepared waits for it (scripts/prepare_models.py builds each under a lock). Measured from
+# nothing, the tests had started 2 min after `make test` with all four before them. A failure
+# of any still fails `make test`, after the tests have run.
 test: env
-	$(MAKE) --no-print-directory -j4 pytest lint typecheck
+	$(MAKE) --no-print-directory -j4 pytest models lint typecheck
 
-pytest: env $(IMPORTS_STAMP) models
+pytest: env $(IMPORTS_STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 demo: env $(IMPORTS_STAMP) models-qwen

@@ -18,6 +18,7 @@ Usage: python scripts/prepare_models.py [smollm2] [tiny-llama] [tiny-qwen2] [qwe
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import shutil
 import sys
@@ -54,11 +55,23 @@ __all__ = [
 
 
 def _prepare_atomically(name: str, build: Callable[[Path], None]) -> Path:
-    """Build into a temporary folder and rename it into place, so a killed run leaves no half model."""
+    """Build into a temporary folder and rename it into place, so a killed run leaves no half model.
+    One process builds a model at a time (a lock file beside it): `make test` starts the tests
+    while `make models` still runs, and a test that needs a model being built waits for it
+    instead of building it again."""
     target = model_dir(name)
     if (target / PREPARED_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f".{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        if (target / PREPARED_MARKER).exists():  # built by the process that held the lock
+            return target
+        _build_into(target, name, build)
+    return target
+
+
+def _build_into(target: Path, name: str, build: Callable[[Path], None]) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         build(staging)
@@ -69,7 +82,6 @@ def _prepare_atomically(name: str, build: Callable[[Path], None]) -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _smollm2_gguf() -> Path:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.evaluation.model_paths import prepared_model, tiny_family_dir
+from scripts.prepare_models import prepare
+from sglang_hicache_ext.evaluation.model_paths import tiny_family_dir
 from sglang_hicache_ext.evaluation.tiny_families import (
     FAMILIES,
     NOT_SERVED_ON_CPU,
@@ -70,8 +71,7 @@ def family_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, ServerConfig]]:
     family = request.param
-    model = prepared_model(tiny_family_dir(family))
-    assert model is not None, "run `make models`"
+    model = prepare(tiny_family_dir(family))  # waits while `make models` builds it
     yield from ((family, running) for running in _serve(model, tmp_path_factory.mktemp(family)))
 
 
@@ -159,8 +159,7 @@ def test_gate_switches_fusion_off_for_a_model_its_adapter_does_not_reproduce(
 @pytest.fixture(scope="module")
 def gemma3_in_rounds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerConfig]:
     """Gemma 3 (sliding windows, two RoPE bases) prefilling in rounds of 64 tokens."""
-    model = prepared_model(tiny_family_dir("gemma3"))
-    assert model is not None, "run `make models`"
+    model = prepare(tiny_family_dir("gemma3"))
     workdir = tmp_path_factory.mktemp("gemma3_rounds")
     yield from _serve(model, workdir, ("--chunked-prefill-size", "64"))
 
