@@ -326,7 +326,7 @@ class ExtensionSettings(BaseModel):
         ge=64,
         le=1 << 26,
         description="Chunks the admission's frequency sketch is sized for (fixed memory of 20-33 "
-        "bytes a chunk, rounded up to a power of two: 10,000 take 320 KiB); its counts are halved every ten sights per "
+        "bytes a chunk, rounded up to a power of two: 10,000 take 320 KiB; with the content key of up to as many stored chunks, ~300 bytes each: 4.7 MiB); its counts are halved every ten sights per "
         "entry, so they follow the recent traffic. Not kept across restarts: counted again "
         "from traffic.",
     )
