@@ -242,3 +242,40 @@ def test_a_document_under_another_label_in_each_prompt_is_counted_as_one() -> No
         assert len(kept) == (1 if number == 2 else 0), number
     counts = capture.stats()
     assert (counts["refused"], counts["captured"]) == (2, 3)
+
+
+@pytest.mark.parametrize("admission", ["frequency", None], ids=str)
+def test_host_memorys_decisions_are_exported_as_they_grow(admission: str | None) -> None:
+    """`sglang:hicache_ext_chunk_host_decisions_total{decision}` follows host memory's own
+    counts after every store: the evictions LRU made, or the admissions by frequency."""
+    from prometheus_client import CollectorRegistry
+
+    from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import (
+        HOST_DECISIONS,
+        ExtensionMetrics,
+    )
+
+    prometheus = CollectorRegistry()
+    metrics = ExtensionMetrics({"model_name": "m", "tp_rank": "0"}, registry=prometheus)
+    capacity = 2 * 40 * LAYERS * 2 * HEADS * DIM * 4 + 4096
+    gate = FrequencyAdmission.for_entries(64) if admission else None
+    registry = ChunkRegistry(capacity, SPEC, admission=gate, metrics=metrics)
+    capture = AutoCapture(
+        registry, frozenset({BREAK}), SegmentRule(32, 512, 256), 600, None, admission=gate
+    )
+    pool = _Pool(400, seed=8)
+    popular, *others = _docs(6, seed=11)
+    for number, other in enumerate(others):
+        _run(capture, pool, f"r{number}", _prompt([popular, other, popular[::-1]]))
+        capture.settle(wait=True)
+    host = registry.store.stats().host
+    exported = {
+        decision: prometheus.get_sample_value(
+            "sglang:hicache_ext_chunk_host_decisions_total",
+            {"model_name": "m", "tp_rank": "0", "decision": decision},
+        )
+        or 0
+        for decision in HOST_DECISIONS
+    }
+    assert exported == {decision: getattr(host, decision) for decision in HOST_DECISIONS}
+    assert sum(exported.values()) > 0

@@ -39,7 +39,10 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.placement_control import (
 )
 from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import prefix_id
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
-from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import ExtensionMetrics
+from sglang_hicache_ext.sglang_ext.metrics.prometheus_metrics import (
+    HOST_DECISIONS,
+    ExtensionMetrics,
+)
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import ChunkTensors
 from sglang_hicache_ext.tiers.chunks.chunk_tiers import ChunkTiers, Pinned
@@ -294,6 +297,7 @@ class ChunkRegistry:
                 by_frequency=by_frequency,
             )
         except NotAdmittedError:
+            self.report_stored_bytes()  # host memory counted the refusal
             raise
         except (HostCacheFullError, ValueError) as err:  # ValueError: a codec tiers cannot store
             self.failed_captures += 1
@@ -343,6 +347,7 @@ class ChunkRegistry:
         if (metrics := self.metrics) is not None:
             stats = self.store.stats()
             metrics.chunk_stored_bytes(stats.host.bytes_used, tier="host")
+            metrics.host_decisions({key: getattr(stats.host, key) for key in HOST_DECISIONS})
             if stats.disk is not None:
                 metrics.chunk_stored_bytes(stats.disk.bytes_used, tier="disk")
             if stats.remote is not None:

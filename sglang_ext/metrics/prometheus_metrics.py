@@ -24,6 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 PREFIX = "sglang:hicache_ext_"
+# Host memory's counts exported as `chunk_host_decisions_total{decision}`.
+HOST_DECISIONS = (
+    "admitted_by_frequency",
+    "admitted_by_recency",
+    "refused_by_frequency",
+    "evictions",
+)
 CHUNK_STORE_TIER = "host"  # registered chunks' KV lives in host memory (tiers/chunks/host_cache.py)
 
 # Seconds of one fused prefill on CPU and GPU: milliseconds (small prompts, GPU) to minutes
@@ -158,6 +165,15 @@ class ExtensionMetrics:
         self._auto_chunk_tokens = counter(
             "auto_chunk_tokens_captured_total", "Tokens of the pieces auto_chunks kept."
         )
+        self._host_decisions = counter(
+            "chunk_host_decisions_total",
+            "Chunks that did not fit in host memory's free bytes, by decision (chunk_admission):"
+            " admitted_by_frequency (seen more often than each chunk it evicted), "
+            "admitted_by_recency (the adaptive rule following recency), refused_by_frequency "
+            "(refused at the door); evictions: chunks host memory dropped for another.",
+            "decision",
+        )
+        self._host_decision_counts = CountMirror()
         self._shared_found = counter(
             "shared_chunks_found_total",
             "Chunks other servers stored in the shared tier (registered or kept by auto_chunks) "
@@ -214,6 +230,12 @@ class ExtensionMetrics:
 
     def chunk_stored_bytes(self, nbytes: int, tier: str = CHUNK_STORE_TIER) -> None:
         self._chunk_stored_bytes.labels(**self.labels, tier=tier).set(nbytes)
+
+    def host_decisions(self, counts: Mapping[str, int]) -> None:
+        """Host memory's running decision counts (`HOST_DECISIONS` of its stats): what grew
+        since the last call is added to the counter."""
+        for decision, grown in self._host_decision_counts.changes(counts).items():
+            self._host_decisions.labels(**self.labels, decision=decision).inc(grown)
 
     def auto_chunk(self, outcome: str, num_tokens: int) -> None:
         self._auto_chunks.labels(**self.labels, outcome=outcome).inc()
