@@ -114,7 +114,9 @@ class Zygote:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + 120
+        # Its import of SGLang takes ~20 s alone; `make test` starts the tests while the models
+        # are still prepared beside them, and under that load it once took over 120 s.
+        deadline = time.monotonic() + 300
         while not os.path.exists(address):
             if self._process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server zygote did not start (status {self._process.poll()})")
