@@ -180,6 +180,7 @@ def main() -> int:
     if args.plot_only:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
         return 0
+    header = report_header("benchmarks.reuse_under_pressure")  # the code the servers run
     draws, hot, questions = traffic(
         args.requests, args.per_request, args.popular, args.one_off, args.skew
     )
@@ -214,7 +215,7 @@ def main() -> int:
         for arm in arms
     }
     report = {
-        **report_header("benchmarks.reuse_under_pressure"),
+        **header,
         "popular_tokens": popular_tokens,
         "one_off_share": sum(tokens[d] for docs in draws for d in docs if d not in set(hot))
         / sum(tokens[d] for docs in draws for d in docs),
