@@ -165,11 +165,18 @@ def models(tiny_llama_path: Path, tiny_qwen2_path: Path) -> dict[str, object]:
 
 @pytest.fixture(scope="session")
 def hicache_server(
-    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerConfig]:
-    """SmolLM2 with `hicache_config`: shared by the fusion tests."""
+    """`hicache_config`, shared by the fusion tests. What they assert is the server's, not the
+    weights': r = 1 is the normal prefill, concurrent answers are the one-by-one ones, budgets,
+    reports, status codes, stored rows equal to the model's keys. So the model is SmolLM2's
+    tokenizer over random weights (`tiny_smollm2_path`): SmolLM2's prompts, tokens and chat
+    template at a few percent of its prefill (measured: the suite's SmolLM2 prefills were half
+    of `make test`'s CPU time). What fusion does to real answers is measured on models that can
+    answer, in process (tests/test_fusion_smollm2.py, tests/test_fused_answers.py) and by the
+    benchmarks."""
     workdir = tmp_path_factory.mktemp("hicache_server")
-    config = hicache_config(smollm2_path, workdir)
+    config = hicache_config(tiny_smollm2_path, workdir)
     with SHARED_SERVERS.serve("hicache_server", config, workdir / "server.log") as running:
         yield running
 

@@ -1,7 +1,11 @@
 """Documents reused from ordinary OpenAI traffic (setting `auto_chunks`): no POST /chunks.
 
-One SmolLM2 server with `auto_chunks`, `fusion_by_default`, a chunk disk tier and
-`--enable-cache-report`; requests through the `openai` package as SGLang users send them. The
+One server with `auto_chunks`, `fusion_by_default`, a chunk disk tier and
+`--enable-cache-report`; requests through the `openai` package as SGLang users send them. Its
+model is SmolLM2's tokenizer and chat template over random weights (`tiny_smollm2_path`): what
+is asserted here (pieces captured and matched, cached tokens, r = 1 equal to the normal prefill
+under concurrency, bounds) is the server's, not the weights'; the reuse of real traffic on
+SmolLM2 itself is benchmarks/auto_reuse.py. The
 server also keeps what shadow checks compute (`fusion_shadow_refresh`): reuse of documents
 computed in their real context is a kind of reuse from ordinary traffic.
 """
@@ -29,7 +33,7 @@ SYSTEM = "Answer the question from the documents in a few words."
 PER_MINUTE = 60
 
 
-def _config(smollm2_path: Path, workdir: Path, port: int) -> ServerConfig:
+def _config(model_path: Path, workdir: Path, port: int) -> ServerConfig:
     settings = workdir / "settings.json"
     settings.write_text(
         json.dumps(
@@ -43,7 +47,7 @@ def _config(smollm2_path: Path, workdir: Path, port: int) -> ServerConfig:
         )
     )
     return ServerConfig(
-        model_path=str(smollm2_path),
+        model_path=str(model_path),
         port=port,
         max_total_tokens=20_000,
         extra_args=("--enable-cache-report", "--enable-metrics", "--chunked-prefill-size", "512"),
@@ -59,8 +63,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class AutoServer:
     """The module's server, restartable on the same chunk disk folder."""
 
-    def __init__(self, smollm2_path: Path, workdir: Path) -> None:
-        self._path, self._workdir = smollm2_path, workdir
+    def __init__(self, model_path: Path, workdir: Path) -> None:
+        self._path, self._workdir = model_path, workdir
         self._stack = contextlib.ExitStack()
         self.url = self._start()
 
@@ -79,8 +83,8 @@ class AutoServer:
 
 
 @pytest.fixture(scope="module")
-def auto_server(smollm2_path: Path, workdir: Path) -> Iterator[AutoServer]:
-    server = AutoServer(smollm2_path, workdir)
+def auto_server(tiny_smollm2_path: Path, workdir: Path) -> Iterator[AutoServer]:
+    server = AutoServer(tiny_smollm2_path, workdir)
     try:
         yield server
     finally:

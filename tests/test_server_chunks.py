@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,11 +53,11 @@ def _assert_probe_matches(
     assert rel_error < 1e-3, (layer, token, float(rel_error))
 
 
-def test_register_capture_list_delete(hicache_server, smollm2_path: Path) -> None:
+def test_register_capture_list_delete(hicache_server, tiny_smollm2_path: Path) -> None:
     from transformers import AutoTokenizer
 
     url = hicache_server.url
-    token_ids = AutoTokenizer.from_pretrained(smollm2_path).encode(
+    token_ids = AutoTokenizer.from_pretrained(tiny_smollm2_path).encode(
         DOCUMENT, add_special_tokens=False
     )
 
@@ -68,12 +69,15 @@ def test_register_capture_list_delete(hicache_server, smollm2_path: Path) -> Non
 
     listing = requests.get(url + "/chunks", timeout=30).json()
     assert chunk_id in [c["id"] for c in listing["chunks"]]
-    layers, kv_heads, head_dim = 30, 3, 64
+    config = json.loads((tiny_smollm2_path / "config.json").read_text())
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
     n = len(token_ids)
+    # fp32 keys and values, and a float per token and layer.
     assert created["nbytes"] == 2 * layers * n * kv_heads * head_dim * 4 + layers * n * 4
 
-    reference = _hf_pre_rope_keys(smollm2_path, token_ids)
-    for layer, token in [(0, 5), (14, n - 1), (29, 11)]:
+    reference = _hf_pre_rope_keys(tiny_smollm2_path, token_ids)
+    for layer, token in [(0, 5), (layers // 2, n - 1), (layers - 1, 11)]:
         _assert_probe_matches(url, chunk_id, reference, layer, token)
 
     assert requests.delete(f"{url}/chunks/{chunk_id}", timeout=30).json()["deleted"] is True

@@ -158,8 +158,8 @@ def test_auto_ratio_without_a_ratio_table_is_self_tuned_above_the_floor(
     prompt = f"{PREFIX}Documents:\n{document}\n\nQuestion: Where does it take place?"
     fused = _generate(url, prompt, fusion=True, fusion_recompute_ratio="auto")
     (meta,) = fused["meta_info"]["hicache_ext_fusion"]
-    # The default token-agreement target starts each tier at its self-tuned ratio; SmolLM2 has
-    # no measured quality floor and this test server runs no shadow checks of its own accord
+    # The default token-agreement target starts each tier at its self-tuned ratio; the test
+    # model has no measured quality floor and this test server runs no shadow checks of its own accord
     # (tests/server_zygote.py): the conservative floor, from host memory.
     assert meta["fused"] is True and meta["ratio_source"] == "target"
     assert meta["ratio_start"] == "self_tuned" and meta["ratio_tier"] == "host"
