@@ -176,7 +176,14 @@ def hicache_server(
     answer, in process (tests/test_fusion_smollm2.py, tests/test_fused_answers.py) and by the
     benchmarks."""
     workdir = tmp_path_factory.mktemp("hicache_server")
-    config = hicache_config(tiny_smollm2_path, workdir)
+    # Their prompts are short around their documents; what they test is the fused path, so it
+    # is taken whatever share of a prompt its chunks cover (the break-even fallback is tested
+    # on the auto_chunks server, tests/test_server_auto_chunks.py).
+    settings = workdir / "settings.json"
+    settings.write_text(json.dumps({"fusion_min_matched_share": 0.0}))
+    config = dataclasses.replace(
+        hicache_config(tiny_smollm2_path, workdir), env={CONFIG_ENV_VAR: str(settings)}
+    )
     with SHARED_SERVERS.serve("hicache_server", config, workdir / "server.log") as running:
         yield running
 

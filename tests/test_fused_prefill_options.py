@@ -209,3 +209,19 @@ def test_model_without_adapter_falls_back_as_no_adapter_once(
     assert (
         "BloomForCausalLM" in line and "Qwen3MoeForCausalLM" in line and "Gemma2ForCausalLM" in line
     )
+
+
+def test_a_prompt_matched_below_the_break_even_share_is_not_fused_with_the_servers_ratio() -> None:
+    from sglang_hicache_ext.sglang_ext.chunk_fusion.plan import below_break_even
+
+    auto = parse_options({"fusion": True}, ExtensionSettings())
+    pinned = parse_options({"fusion": True, "fusion_recompute_ratio": 0.15}, ExtensionSettings())
+    spans = [(10, 110), (150, 250)]  # 200 chunk tokens of a 1,000-token prompt
+    assert below_break_even(0.25, auto, spans, 0, 1000)  # 0.2 of the prefill matched
+    assert not below_break_even(0.2, auto, spans, 0, 1000)  # exactly the minimum: fused
+    assert not below_break_even(0.25, pinned, spans, 0, 1000)  # a pinned ratio is fused
+    assert not below_break_even(0.0, auto, [], 0, 1000)  # no minimum
+    # Past a cached prefix that ends inside the second chunk: 50 of 250 tokens matched.
+    assert below_break_even(0.25, auto, spans, 200, 450)
+    assert not below_break_even(0.2, auto, spans, 200, 450)
+    assert not below_break_even(0.25, None, spans, 0, 1000)  # did not ask

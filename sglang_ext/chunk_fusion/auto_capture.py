@@ -67,11 +67,15 @@ logger = logging.getLogger(__name__)
 # A piece this much covered by stored chunks is reused already: keeping it again would store a
 # second copy of the same document (e.g. behind another "Document N." label).
 _COVERED = 0.9
+# Covered this much, a piece computed in full is a variant of a stored one, not kept again; less
+# covered, its own content is most of it, and it is kept.
+_MOSTLY_COVERED = 0.5
 _SEEN_REQUESTS = 4096  # the tree checkpoints a request more than once at its full length
 _WINDOW_S = 60.0
 OUTCOMES = (
     "captured",
     "covered",
+    "partly_covered",
     "over_cap",
     "not_computed",
     "refused",
@@ -212,6 +216,10 @@ class AutoCapture:
                 self._count("covered", end - start)
             elif fused and share > 0:
                 self._count("not_computed", end - start)
+            elif share >= _MOSTLY_COVERED:
+                # A variant of a stored piece (another label, a word changed): the stored one
+                # serves what they share, and keeping this one would store that part twice.
+                self._count("partly_covered", end - start)
             elif self.admission is not None and not self.registry.would_admit(
                 chunk_id, (end - start) * row_bytes
             ):

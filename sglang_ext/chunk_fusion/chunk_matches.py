@@ -117,6 +117,19 @@ def unpin_chunks(registry: ChunkRegistry, chunk_ids: list[str], probe_form: str 
         registry.unpin(chunk_id, probe=probe_form is not None)
 
 
+def chunk_positions(segments: list[Segment]) -> list[tuple[int, int]]:
+    """Prompt positions [start, end) of each chunk occurrence, in order."""
+    spans: list[tuple[int, int]] = []
+    position = 0
+    for segment in segments:
+        if isinstance(segment, ChunkSegment):
+            spans.append((position, position + segment.chunk.num_tokens))
+            position += segment.chunk.num_tokens
+        else:
+            position += len(segment.token_ids)
+    return spans
+
+
 def last_chunk_end(segments: list[Segment]) -> int:
     """Prompt position just after the last chunk token."""
     position = end = 0

@@ -18,6 +18,7 @@ from sglang_hicache_ext.fusion.request import Segment
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
     WholeFetches,
+    chunk_positions,
     last_chunk_end,
     pin_request_chunks,
     prefix_agreement,
@@ -195,6 +196,15 @@ def _plan_request(rt: FusionService, plan: RequestPlan) -> None:
         # normal prefill of the rest is exact and no slower.
         plan.release(rt.registry)
         plan.fallback = "prefix_cached"
+    elif below_break_even(
+        rt.settings.fusion_min_matched_share,
+        plan.options,
+        chunk_positions(plan.segments),
+        plan.prefix_len,
+        len(tokens),
+    ):
+        plan.release(rt.registry)
+        plan.fallback = "below_break_even"
     elif plan.options is not None and plan.options.recompute_ratio == AUTO_RATIO:
         try:
             _resolve_auto_ratio(rt, plan)
@@ -202,6 +212,24 @@ def _plan_request(rt: FusionService, plan: RequestPlan) -> None:
             logger.error("fusion: no tuned ratio for request %s: %s", plan.rid, err)
             plan.release(rt.registry)
             plan.fallback = "ratio_not_tuned"
+
+
+def below_break_even(
+    minimum: float,
+    options: FusionOptions | None,
+    chunk_spans: list[tuple[int, int]],
+    prefix_len: int,
+    prompt_len: int,
+) -> bool:
+    """Whether a request whose ratio the server chooses ("auto") matches stored chunks on less
+    than `minimum` (`fusion_min_matched_share`) of the tokens it would prefill (those past its
+    cached prefix): below that share the fused path's own costs outweigh what reuse saves, so
+    the normal prefill is the faster one. A request that pins its ratio is fused as it asks."""
+    if minimum <= 0 or options is None or options.recompute_ratio != AUTO_RATIO:
+        return False
+    todo = prompt_len - prefix_len
+    matched = sum(max(0, end - max(start, prefix_len)) for start, end in chunk_spans)
+    return todo > 0 and matched < minimum * todo
 
 
 def _resolve_auto_ratio(rt: FusionService, plan: RequestPlan) -> None:
@@ -266,7 +294,7 @@ def will_fuse(rt: FusionService, req: ScheduledRequest) -> bool:
     cached = rt.admission.get(req)
     if cached is None or cached[0] != generation:
         options = rt.options(req, count=False)
-        chunk_end: int | None = None
+        spans: list[tuple[int, int]] = []
         if (
             options is not None
             and options.enabled
@@ -276,12 +304,20 @@ def will_fuse(rt: FusionService, req: ScheduledRequest) -> bool:
             if rt.auto_capture is not None:  # its documents kept by earlier requests
                 rt.auto_capture.settle(req.origin_input_ids)
             matches = rt.registry.find(req.origin_input_ids)
-            chunk_end = matches[-1].prompt_end if matches else None
-        cached = (generation, chunk_end)
+            spans = [(match.prompt_start, match.prompt_end) for match in matches]
+        cached = (generation, spans, options)
         rt.admission[req] = cached
-    chunk_end = cached[1]
-    # A cached prefix is reused exactly; something is left to fuse if a chunk ends after it.
-    return chunk_end is not None and req.prefix_len < chunk_end
+    _, spans, options = cached
+    # A cached prefix is reused exactly; something is left to fuse if a chunk ends after it,
+    # and enough of it to be worth fusing.
+    prompt_len = len(req.origin_input_ids)
+    return (
+        bool(spans)
+        and req.prefix_len < spans[-1][1]
+        and not below_break_even(
+            rt.settings.fusion_min_matched_share, options, spans, req.prefix_len, prompt_len
+        )
+    )
 
 
 def _static_fallback_reason(req: ScheduledRequest) -> str | None:

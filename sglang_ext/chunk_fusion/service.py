@@ -30,6 +30,9 @@ from sglang_hicache_ext.tuning.ratio.live_fidelity import LiveFidelity
 from sglang_hicache_ext.tuning.ratio.self_tuned import SelfTunedRatios
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, load_ratio_table
 
+# The registry's generation, a prompt's chunk spans [start, end) and its fusion options.
+AdmissionGuess = tuple[int, list[tuple[int, int]], FusionOptions | None]
+
 # The attribute under which the assembly attaches the service to SGLang's objects.
 SERVICE_ATTRIBUTE = "hicache_ext_fusion"
 
@@ -63,9 +66,9 @@ class FusionService:
     # Fused requests whose later round had to take SGLang's forward (a mixed batch): the rest
     # of their prompt is computed normally over their fused rows, never fused again.
     interrupted: weakref.WeakSet[ScheduledRequest] = field(default_factory=weakref.WeakSet)
-    # Admission: where the last chunk ends in each prompt (None: not fusable), recomputed when
-    # the set of registered chunks changes.
-    admission: weakref.WeakKeyDictionary[ScheduledRequest, tuple[int, int | None]] = field(
+    # Admission: where each prompt's chunks sit (none: not fusable) and its options,
+    # recomputed when the set of registered chunks changes.
+    admission: weakref.WeakKeyDictionary[ScheduledRequest, AdmissionGuess] = field(
         default_factory=weakref.WeakKeyDictionary
     )
     counters: Counter[str] = field(default_factory=Counter)

@@ -159,7 +159,9 @@ class ExtensionMetrics:
             "auto_chunks_total",
             "Pieces of prompts auto_chunks looked at, by outcome: captured (kept as a chunk), "
             "covered (a stored chunk covers it), over_cap (auto_chunks_per_minute reached), "
-            "not_computed (a fused prefill reused part of it), failed (no tier took it).",
+            "partly_covered (a variant of a stored piece: another label, a word changed), "
+            "not_computed (a fused prefill reused part of it), refused (admission), "
+            "ranks_disagree, failed (no tier took it).",
             "outcome",
         )
         self._auto_chunk_tokens = counter(

@@ -1,0 +1,193 @@
+"""Where fusion stops paying: fused / normal TTFT against the share of the prompt already stored.
+
+SmolLM2-135M-Instruct on the CPU server, `auto_chunks` and `fusion_by_default` on, no
+registration, the shipped defaults otherwise. Two servers, one after the other, the same prompts:
+`fusion_min_matched_share` 0 ("fused": every prompt with a stored chunk is fused, whatever its
+share) and 1 ("fallback": every prompt falls back to the normal prefill, `below_break_even`,
+and its new paragraphs are still kept, as the fallback does). A pool of paragraphs is asked once first, so
+`auto_chunks` keeps them. Then each prompt holds `--per-request` paragraphs, `seen` of them from
+the pool and the rest never seen before (kept by this prompt, reused by none), for every `seen`
+from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
+server's default ratio) and then with `{"fusion": false}` behind a system prompt of its own (a
+number first: the fused prompt, in the prefix tree when it fell back, is not reused), one request
+at a time, TTFT the first streamed token; the fusion counters read between them wait for the
+pieces the fused prompt kept, so neither request pays for the other's capture.
+
+Per arm and `seen`: the median matched share (the request's matched chunk tokens over its prompt
+tokens; the fallback arm's from the fused arm's same prompts), the median of the paired
+asked / fusion-off TTFT ratios and the ratio of the medians. The break-even share is where the
+fused arm's paired ratio falls to the fallback arm's (linear between the two points around it):
+below it the fallback is the faster one, which is what `fusion_min_matched_share` decides. Each
+arm is paired with its own fusion-off requests, so drift between the two runs cancels.
+
+    python -m benchmarks.fusion_break_even [--repeats 5 --per-request 6]
+-> benchmarks/results/fusion_break_even.json and .png
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from typing import Any
+
+from tqdm import tqdm
+
+from benchmarks.auto_reuse import FLAGS, corpus_of, fusion_counters, settings_file
+from benchmarks.smollm2_server import (
+    report_header,
+    server_benchmark_parser,
+    smollm2_server,
+    write_report,
+)
+from examples.openai_rag import SYSTEM, ask
+
+ARMS = {"fused": 0.0, "fallback": 1.0}  # fusion_min_matched_share of each arm
+
+
+def prompts(per_request: int, repeats: int) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """The pool asked first, and (seen, paragraphs) of every measured prompt, in order."""
+    rng = random.Random(2026)
+    fresh_needed = repeats * sum(per_request - seen for seen in range(per_request + 1))
+    pool_size = 2 * per_request
+    corpus, _ = corpus_of(pool_size + fresh_needed)
+    pool, fresh = corpus[:pool_size], iter(corpus[pool_size:])
+    measured: list[tuple[int, list[str]]] = []
+    for _ in range(repeats):
+        order = list(range(per_request + 1))
+        rng.shuffle(order)
+        for seen in order:
+            docs = rng.sample(pool, seen) + [next(fresh) for _ in range(per_request - seen)]
+            rng.shuffle(docs)
+            measured.append((seen, docs))
+    return pool, measured
+
+
+def run(url: str, pool: list[str], measured: list[tuple[int, list[str]]]) -> list[dict[str, Any]]:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    question = "Which of these documents names a person first?"
+    for start in range(0, len(pool), 4):  # each pool paragraph seen once: kept by auto_chunks
+        ask(client, "default", pool[start : start + 4], question, system="Warm-up. " + SYSTEM)
+    rows = []
+    for number, (seen, docs) in enumerate(tqdm(measured, desc="prompts", disable=None)):
+        before = fusion_counters(url)
+        fused = ask(client, "default", docs, question)
+        after = fusion_counters(url)  # waits for the pieces the fused prompt kept
+        off = ask(client, "default", docs, question, system=f"{number}. {SYSTEM}", fusion=False)
+        rows.append(
+            {
+                "seen": seen,
+                "prompt_tokens": fused.prompt_tokens,
+                "chunk_tokens": after["chunk_tokens"] - before["chunk_tokens"],
+                "reused_rows": after["tokens_reused"] - before["tokens_reused"],
+                "fused": after["fused_requests"] > before["fused_requests"],
+                "fused_ttft_s": fused.ttft_s,
+                "off_ttft_s": off.ttft_s,
+            }
+        )
+    return rows
+
+
+def by_seen(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    points: dict[str, Any] = {}
+    for seen in sorted({row["seen"] for row in rows}):
+        mine = [row for row in rows if row["seen"] == seen]
+        fused = statistics.median(row["fused_ttft_s"] for row in mine)
+        off = statistics.median(row["off_ttft_s"] for row in mine)
+        points[str(seen)] = {
+            "prompts": len(mine),
+            "matched_share": statistics.median(
+                row["chunk_tokens"] / row["prompt_tokens"] for row in mine
+            ),
+            "reused_share": statistics.median(
+                row["reused_rows"] / row["prompt_tokens"] for row in mine
+            ),
+            "fused_prompts": sum(row["fused"] for row in mine),
+            "median_ttft_asked_s": fused,
+            "median_ttft_off_s": off,
+            "ttft_ratio_of_medians": fused / off,
+            "ttft_ratio_paired": statistics.median(
+                row["fused_ttft_s"] / row["off_ttft_s"] for row in mine
+            ),
+        }
+    return points
+
+
+def summarise(arms: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {arm: by_seen(rows) for arm, rows in arms.items()}
+    if "fused" in summary and "fallback" in summary:
+        summary["break_even_matched_share"] = break_even(summary["fused"], summary["fallback"])
+    return summary
+
+
+def break_even(fused: dict[str, Any], fallback: dict[str, Any]) -> float | None:
+    """The matched share where the fused arm's paired TTFT ratio falls to the fallback arm's
+    (None: it never does), over the `seen` points in order of share from the first fused one."""
+    points = sorted(
+        (point["matched_share"], point["ttft_ratio_paired"] - fallback[seen]["ttft_ratio_paired"])
+        for seen, point in fused.items()
+        if point["fused_prompts"] > 0
+    )
+    for (share_a, gap_a), (share_b, gap_b) in zip(points, points[1:], strict=False):
+        if gap_a > 0 >= gap_b:
+            return share_a + gap_a / (gap_a - gap_b) * (share_b - share_a)
+    if points and points[0][1] <= 0:
+        return points[0][0]
+    return None
+
+
+def plot(report: dict[str, Any], out: Any) -> Any:
+    import matplotlib.pyplot as plt
+
+    from benchmarks.run_figures import save_run_figure
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    shares = {seen: p["matched_share"] for seen, p in report["summary"]["fused"].items()}
+    for arm in report["arms"]:
+        points = report["summary"][arm]
+        seens = [seen for seen in points if seen != "0"]
+        axes.plot(
+            [shares[seen] for seen in seens],
+            [points[seen]["ttft_ratio_paired"] for seen in seens],
+            "o-",
+            label=f"{arm} (fusion_min_matched_share {ARMS[arm]:g})",
+        )
+    axes.axhline(1.0, linestyle="--", color="grey")
+    share = report["summary"].get("break_even_matched_share")
+    if share is not None:
+        axes.axvline(share, linestyle=":", color="red", label=f"break-even {share:.2f}")
+    axes.legend()
+    axes.set(
+        xlabel="prompt tokens matched to stored chunks (share, fused arm)",
+        ylabel="TTFT / fusion-off TTFT (median of pairs)",
+        ylim=(0, 2),
+    )
+    return save_run_figure(figure, report, out, "Fusion's break-even: ")
+
+
+def main() -> int:
+    parser = server_benchmark_parser(__doc__ or "", "fusion_break_even.json")
+    parser.add_argument("--per-request", type=int, default=6)
+    parser.add_argument("--arms", default=",".join(ARMS))
+    args = parser.parse_args()
+    report: dict[str, Any] = report_header("benchmarks.fusion_break_even")
+    pool, measured = prompts(args.per_request, args.repeats)
+    report["arms"] = {}
+    for arm in args.arms.split(","):
+        settings = {"fusion_by_default": True, "fusion_min_matched_share": ARMS[arm]}
+        env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
+        with smollm2_server(f"break-even-{arm}", extra_args=FLAGS, env=env) as server:
+            report["arms"][arm] = {"settings": settings, "rows": run(server.url, pool, measured)}
+    report["summary"] = summarise({arm: r["rows"] for arm, r in report["arms"].items()})
+    brief: dict[str, Any] = {"break_even": report["summary"].get("break_even_matched_share")}
+    for arm in report["arms"]:
+        brief[arm] = {
+            seen: (round(p["matched_share"], 2), round(p["ttft_ratio_paired"], 2))
+            for seen, p in report["summary"][arm].items()
+        }
+    return write_report(report, args.out, plot, brief)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
