@@ -185,7 +185,7 @@ def main() -> int:
         args.requests, args.per_request, args.popular, args.one_off, args.skew
     )
     tokenizer = smollm2_tokenizer()
-    everything = {d for docs in draws for d in docs}
+    everything = {d for docs in draws for d in docs} | set(hot)  # short runs draw not every one
     tokens = {d: len(tokenizer.encode(d, add_special_tokens=False)) for d in everything}
     popular_tokens = sum(tokens[d] for d in hot)
     budget_bytes = int(args.budget * popular_tokens * dense_bytes_per_token())
