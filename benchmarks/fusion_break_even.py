@@ -21,11 +21,13 @@ below it the fallback is the faster one, which is what `fusion_min_matched_share
 arm is paired with its own fusion-off requests, so drift between the two runs cancels.
 
     python -m benchmarks.fusion_break_even [--repeats 5 --per-request 6]
--> benchmarks/results/fusion_break_even.json and .png
+-> benchmarks/results/fusion_break_even.json and .png (`--summary-only` summarises and redraws
+the rows of a run)
 """
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 from typing import Any
@@ -97,6 +99,7 @@ def by_seen(rows: list[dict[str, Any]]) -> dict[str, Any]:
         off = statistics.median(row["off_ttft_s"] for row in mine)
         points[str(seen)] = {
             "prompts": len(mine),
+            "median_prompt_tokens": statistics.median(row["prompt_tokens"] for row in mine),
             "matched_share": statistics.median(
                 row["chunk_tokens"] / row["prompt_tokens"] for row in mine
             ),
@@ -170,7 +173,14 @@ def main() -> int:
     parser = server_benchmark_parser(__doc__ or "", "fusion_break_even.json")
     parser.add_argument("--per-request", type=int, default=6)
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument(
+        "--summary-only", action="store_true", help="summarise and redraw the rows of --out"
+    )
     args = parser.parse_args()
+    if args.summary_only:
+        kept = json.loads(args.out.read_text())
+        kept["summary"] = summarise({arm: r["rows"] for arm, r in kept["arms"].items()})
+        return write_report(kept, args.out, plot, kept["summary"].get("break_even_matched_share"))
     report: dict[str, Any] = report_header("benchmarks.fusion_break_even")
     pool, measured = prompts(args.per_request, args.repeats)
     report["arms"] = {}

@@ -131,15 +131,9 @@ def chunk_positions(segments: list[Segment]) -> list[tuple[int, int]]:
 
 
 def last_chunk_end(segments: list[Segment]) -> int:
-    """Prompt position just after the last chunk token."""
-    position = end = 0
-    for segment in segments:
-        if isinstance(segment, ChunkSegment):
-            position += segment.chunk.num_tokens
-            end = position
-        else:
-            position += len(segment.token_ids)
-    return end
+    """Prompt position just after the last chunk token (0: no chunk)."""
+    spans = chunk_positions(segments)
+    return spans[-1][1] if spans else 0
 
 
 def prefix_agreement(

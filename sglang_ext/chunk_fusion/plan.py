@@ -19,7 +19,6 @@ from sglang_hicache_ext.fusion.selectors import Selector, make_selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.chunk_matches import (
     WholeFetches,
     chunk_positions,
-    last_chunk_end,
     pin_request_chunks,
     prefix_agreement,
     unpin_chunks,
@@ -189,9 +188,10 @@ def _plan_request(rt: FusionService, plan: RequestPlan) -> None:
     plan.segments, plan.pinned, plan.chunk_tiers = held.segments, held.pinned, held.tiers
     plan.tokens_by_tier, plan.fetched = held.tokens_by_tier, held.fetched
     plan.chunk_prefixes = prefix_agreement(rt.registry, plan.pinned, tokens, held.in_context)
+    spans = chunk_positions(plan.segments)
     if not plan.pinned:
         plan.fallback = "no_chunk_matched"
-    elif plan.prefix_len >= last_chunk_end(plan.segments):
+    elif plan.prefix_len >= spans[-1][1]:
         # Every chunk token is in the exact cached prefix: nothing is left to fuse, and the
         # normal prefill of the rest is exact and no slower.
         plan.release(rt.registry)
@@ -199,7 +199,7 @@ def _plan_request(rt: FusionService, plan: RequestPlan) -> None:
     elif below_break_even(
         rt.settings.fusion_min_matched_share,
         plan.options,
-        chunk_positions(plan.segments),
+        spans,
         plan.prefix_len,
         len(tokens),
     ):

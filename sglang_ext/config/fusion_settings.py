@@ -55,9 +55,8 @@ class FusionSettings(BaseModel):
         'raised while the checks agree less and lowered (never below what "auto" gives '
         "without a target) while they agree more than target + 0.05. Null: no target.",
     )
-    # Measured on SmolLM2, CPU: a fused prompt matched on 0.33 of its tokens took 1.2x the
-    # normal prefill's TTFT, on 0.92 0.52x; fused and normal cross at 0.70, where the exact
-    # answer wins (benchmarks/results/fusion_break_even.json, docs/auto-chunks.md).
+    # Where fused and normal TTFT cross on SmolLM2, CPU (benchmarks/fusion_break_even.py,
+    # docs/auto-chunks.md "When fusion does not pay"); at a tie the exact answer wins.
     fusion_min_matched_share: Share = Field(
         0.7,
         description='With the ratio "auto": a request whose stored chunks cover less than this '
