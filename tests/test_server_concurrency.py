@@ -6,7 +6,7 @@ fused requests (the shape that crashed the scheduler: a split normal request pla
 whole prompt wrote more K/V rows than its round allocated).
 Traffic mixes fused requests with every selector, fused prompts split across rounds, fused
 requests with logprobs, fused requests whose decode attends only their kept rows (decode-time
-eviction), prompts at the server's ratio matched below the break-even, normal long prompts with and without a shared system prefix, logprobs,
+eviction), normal long prompts with and without a shared system prefix, logprobs,
 streaming, and streams the client drops midway. Also here, on the same server: a ~1.5K-token
 fused prompt over 12 rounds and fused logprobs, each equal to the normal prefill at r = 1.
 
@@ -160,18 +160,6 @@ def jobs(chunked_prefill_server: ServerConfig, tiny_smollm2_path: Path) -> list[
         body = " ".join(words[starts[i % 6] : starts[i % 6] + 400])
         prefix = system if i % 2 else f"Request {i % 6}. "
         mix.append(Job(f"normal-long-{i}", f"{prefix}{body}\nIn short:"))
-    # Fused at the server's ratio ("auto") but mostly new text: the normal prefill, split into
-    # rounds (below_break_even, then prefix_cached once the rounds are past the chunk).
-    for i in range(2):
-        body = " ".join(words[starts[i] : starts[i] + 300])
-        mix.append(
-            Job(
-                f"below-break-even-{i}",
-                f"Note:\n{docs[11 - i]}\n\n{body}\nQ: which?\nA:",
-                custom={"fusion": True},
-                expect="below_break_even|prefix_cached",
-            )
-        )
     # Normal with input logprobs.
     for i in range(4):
         mix.append(
