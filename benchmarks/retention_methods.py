@@ -6,6 +6,8 @@ options), each followed by modifiers joined with `+`:
 - `sink<N>`: each chunk's first N tokens first in the budget (EPIC);
 - `fresh<F>`: every token computed in the first F layers and that KV kept (CacheBlend);
 - `layers<a>-<b>`: the scoring layers of `question_attention`, as fractions of the depth;
+- `wholeprompt`: `question_attention`'s scoring pass reads every token of the prompt (the new
+  text between the chunks too) instead of the chunks and the question;
 - `prefix`: chunks precomputed after the prompt's system prompt and chat header instead of
   alone (`fusion/precompute.py`);
 - `traffic`: chunks captured from traffic as the server's `auto_chunks` does: the pieces
@@ -76,6 +78,8 @@ def parse_method(method: str) -> Method:
         elif modifier.startswith("layers"):
             start, end = modifier[6:].split("-")
             options["layers"] = (float(start), float(end))
+        elif modifier == "wholeprompt":
+            options["whole_prompt"] = True
         elif modifier == "prefix":
             prefix = True
         elif modifier == "traffic":

@@ -25,7 +25,7 @@ from sglang_hicache_ext.fusion.fidelity_signals import (
     prompt_shape,
     question_mass,
 )
-from sglang_hicache_ext.fusion.request import Segment
+from sglang_hicache_ext.fusion.request import Segment, question_over_chunks
 from sglang_hicache_ext.fusion.request_state import FusionJob, KVCache, RequestState
 from sglang_hicache_ext.fusion.selectors import (
     CheckLayerState,
@@ -116,12 +116,22 @@ def _scoring_pass(
 ) -> None:
     """The question over the reused KV (no chunk token computed), up to the last scoring layer:
     its attention to each chunk token at the scoring layers, summed, becomes each state's
-    selection (ProphetKV's first pass). Costs about a pure-reuse prefill of those layers."""
+    selection (ProphetKV's first pass). The pass reads the chunks, the question and the exact
+    prefix only (`question_over_chunks`, unless the selector asks for the whole prompt): the
+    prompt's other new text, which the prefill computes at every layer anyway, would cost as
+    much again here. Costs about a pure-reuse prefill of those layers over the question."""
+    scoring_segments = [
+        None
+        if state.selector.scoring_reads_whole_prompt
+        else question_over_chunks(state.layout, state.prefix_len)
+        for state in states
+    ]
     passes = [
         RequestState(
             adapter,
             replace(
                 state.job,
+                segments=state.job.segments if segments is None else segments,
                 selector=ReuseSelector(),
                 outputs_from=None,
                 return_kv=False,
@@ -132,14 +142,15 @@ def _scoring_pass(
             # Rows of slow-tier chunks read here serve the prefill too (read once, not twice).
             loader=state.loader,
         )
-        for state in states
+        for state, segments in zip(states, scoring_segments, strict=True)
     ]
-    for state, scoring in zip(states, passes, strict=True):
+    for state, scoring, segments in zip(states, passes, scoring_segments, strict=True):
         state.loader.retain = True
-        if state.job.return_kv and state.narrow_layer is None:
+        if state.job.return_kv and state.narrow_layer is None and segments is None:
             # The prefill reuses the same rows at these layers: it takes each layer's assembled
             # K/V and writes only the rows it computes (no second load and re-rotation). Kept
-            # only when the prefill returns its KV, which these tensors become: no higher peak.
+            # only when the prefill returns its KV, which these tensors become (no higher peak),
+            # and when the pass read the whole prompt (the same positions).
             scoring.kv_out = state.kv_in = {}
     try:
         _walk_layers(adapter, passes, attention_backend, max(max(s.scoring_layers) for s in states))

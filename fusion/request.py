@@ -92,6 +92,44 @@ def after_exact_prefix(segments: Sequence[Segment], prefix_len: int) -> list[Seg
     return out
 
 
+# A scoring pass keeps the prompt's first tokens: the attention sink a question reads (StreamingLLM
+# keeps four), where a stored chunk's own first tokens would take its place.
+_ATTENTION_SINK = 4
+
+
+def question_over_chunks(layout: RequestLayout, prefix_len: int) -> list[Segment] | None:
+    """What a scoring pass reads of a request: its chunks in order, its question, its exact
+    prefix and its first tokens (the prompt's attention sink), as segments; the other text,
+    which the prefill computes anyway, is left out. None when nothing would be. The chunk
+    tokens are the request's, in the same order, so the question's attention to them scores
+    the request's own chunk tokens one for one."""
+    keep = layout.is_chunk | layout.is_question
+    keep[: max(prefix_len, _ATTENTION_SINK)] = True
+    if bool(keep.all()):
+        return None
+    ids, question = layout.token_ids.tolist(), layout.is_question.tolist()
+    out: list[Segment] = []
+
+    def text(start: int, end: int) -> None:
+        kept = [p for p in range(start, end) if keep[p]]
+        run: list[int] = []  # consecutive kept positions of one kind: question or not
+        for position in kept:
+            if run and question[run[-1]] != question[position]:
+                out.append(TextSegment(tuple(ids[p] for p in run), question[run[-1]]))
+                run = []
+            run.append(position)
+        if run:
+            out.append(TextSegment(tuple(ids[p] for p in run), question[run[-1]]))
+
+    position = 0
+    for span in layout.spans:
+        text(position, span.start)
+        out.append(ChunkSegment(span.chunk))
+        position = span.start + span.length
+    text(position, layout.num_tokens)
+    return out
+
+
 def build_layout(segments: list[Segment] | tuple[Segment, ...]) -> RequestLayout:
     """Lay segments end to end. Without an explicit question, the question-aware selectors use
     the text after the last chunk (the last token when there is none)."""

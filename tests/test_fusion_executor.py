@@ -315,33 +315,6 @@ def test_outputs_from_are_computed_at_every_layer(models: dict, family: str) -> 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("fresh_layers", [0, 2])
-def test_prefill_taking_the_scoring_pass_layers_equals_loading_them(
-    models: dict, family: str, fresh_layers: int
-) -> None:
-    """A prefill that returns its KV takes the scoring pass's assembled layers and writes only
-    its computed rows (with no fresh layers); one that does not loads and assembles every layer
-    itself."""
-    adapter = models[family]
-    segments, _ = _rag_request(adapter)
-    selector = make_selector("question_attention", 0.3, fresh_layers=fresh_layers)
-    handed = fused_prefill(adapter, segments, selector, return_kv=True)
-    loaded = fused_prefill(adapter, segments, selector)
-    assert torch.equal(handed.selected, loaded.selected)
-    torch.testing.assert_close(handed.logits, loaded.logits, rtol=0, atol=0)
-    # After the fresh layers, the rows not recomputed are the stored ones at their positions.
-    assert handed.kv is not None
-    for span in build_layout(segments).spans:
-        positions = torch.arange(span.start, span.start + span.length)
-        reused = ~torch.isin(positions, handed.selected)
-        assert reused.any()
-        for layer in range(fresh_layers, adapter.shape.num_layers):
-            expected = apply_rope(span.chunk.keys[layer], positions, adapter.rope_spec)
-            keys = handed.kv.keys[layer]
-            torch.testing.assert_close(keys[positions[reused]], expected[reused], rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
 def test_batch_equals_one_by_one(models: dict, family: str) -> None:
     adapter = models[family]
     segments, ids = _rag_request(adapter)

@@ -89,6 +89,10 @@ class Selector(ABC):
             f"fresh_layers={self.fresh_layers})"
         )
 
+    # With scoring layers: whether the scoring pass reads the prompt's new text besides the
+    # chunks and the question (`fusion/executor.py`).
+    scoring_reads_whole_prompt = False
+
     def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers whose question attention a scoring pass must measure (none: no pass)."""
         return ()

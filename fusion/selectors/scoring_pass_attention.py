@@ -18,6 +18,11 @@ class QuestionAttentionSelector(Selector):
     One check layer (A3) sees attention that mostly tracks distance and sink tokens; the middle
     layers are where a question reads the content it needs. `layers` is a [start, end) range as
     fractions of the model's depth, so one setting serves models of any depth.
+
+    The scoring pass reads the chunks, the question and the exact prefix (`whole_prompt` False,
+    the default): the prompt's other new text is computed by the prefill at every layer anyway,
+    and read here too it would cost a prompt half new nearly its new half again
+    (docs/auto-chunks.md, "When fusion does not pay"). `whole_prompt` True reads every token.
     """
 
     name = "question_attention"
@@ -29,8 +34,10 @@ class QuestionAttentionSelector(Selector):
         sink_tokens: int = 0,
         fresh_layers: int = 0,
         layers: tuple[float, float] = DEFAULT_LAYERS,
+        whole_prompt: bool = False,
     ) -> None:
         super().__init__(ratio, sink_tokens, fresh_layers)
+        self.scoring_reads_whole_prompt = whole_prompt
         start, end = layers
         if not 0.0 <= start < end <= 1.0:
             raise ValueError(f"scoring layers must satisfy 0 <= start < end <= 1, got {layers}")
