@@ -218,9 +218,10 @@ def main() -> int:
             parsed[m].prefix_chunks,
             parsed[m].traffic_chunks,
             parsed[m].mixed_traffic,
+            parsed[m].new_paragraphs,
         )
         for m in methods
-    } - {(None, False, False, False)}
+    } - {(None, False, False, False, 0.0)}
     suffix = ("" if args.dtype == "float32" else f"_{args.dtype}") + (
         "" if args.seed == SEED else f"_seed{args.seed}"
     )
@@ -276,12 +277,12 @@ def main() -> int:
         # The full prefill's own first-token entropy and margin: the study's control (is a
         # fused prefill's uncertainty the fusion's, or the question's?).
         row["full_signals"] = full.signals
-        chunk_sets = {(None, False, False, False): segments}
+        chunk_sets = {(None, False, False, False, 0.0): segments}
         # The first prompt an `auto_chunks` server sees these paragraphs in asks another question
         # (with `mixed`, among that question's paragraphs).
         other = examples[(position + 1) % len(examples)]
-        for codec, prefix, traffic, mixed in variants if missing else ():
-            chunk_sets[codec, prefix, traffic, mixed] = question_segments(
+        for codec, prefix, traffic, mixed, new in variants if missing else ():
+            chunk_sets[codec, prefix, traffic, mixed, new] = question_segments(
                 example,
                 tokenizer,
                 adapter,
@@ -289,6 +290,7 @@ def main() -> int:
                 prefix,
                 other.question if traffic else None,
                 other.documents if mixed else (),
+                new,
             )
         for method in missing:
             spec = parsed[method]
@@ -303,6 +305,7 @@ def main() -> int:
                     spec.prefix_chunks,
                     spec.traffic_chunks,
                     spec.mixed_traffic,
+                    spec.new_paragraphs,
                 ],
                 spec.selector,
                 stop,

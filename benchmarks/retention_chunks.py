@@ -36,6 +36,7 @@ def question_segments(
     prefix_chunks: bool = False,
     traffic_question: str | None = None,
     traffic_others: Sequence[str] = (),
+    new_share: float = 0.0,
 ) -> list[Segment]:
     """The prompt with every paragraph shuffled in, each matched to its precomputed chunk the way
     the server matches them (the whole prompt tokenized, chunks found by the chunk index); with
@@ -43,7 +44,8 @@ def question_segments(
     `prefix_chunks`, every chunk was precomputed after the prompt's system prompt and chat header
     (`chat_prefix`) instead of alone; with `traffic_question`, the chunks are the pieces an
     `auto_chunks` server captures from another prompt (the paragraphs in another order, that
-    question), with that prompt's own rows or, with `prefix_chunks`, precomputed after the prefix."""
+    question), with that prompt's own rows or, with `prefix_chunks`, precomputed after the prefix;
+    with `new_share`, that share of the paragraphs (drawn per question) is not stored: new text."""
     paragraphs = list(example.documents)
     shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
     ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
@@ -56,7 +58,12 @@ def question_segments(
         for chunk in chunks:
             registry.add(chunk if codec is None else through_codec(chunk, codec))
         return pinned_chunk_segments(registry, ids)[0]
+    new = set(
+        random.Random(f"{example.qid}/new").sample(paragraphs, round(new_share * len(paragraphs)))
+    )
     for paragraph in paragraphs:
+        if paragraph in new:
+            continue
         tokens = tokenizer.encode(paragraph, add_special_tokens=False)
         chunk = precompute_chunk(adapter, tokens, prefix_ids=prefix)
         registry.add(chunk if codec is None else through_codec(chunk, codec))

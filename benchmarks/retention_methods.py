@@ -16,6 +16,8 @@ options), each followed by modifiers joined with `+`:
   pieces precomputed after the system prompt and chat header instead);
 - `mixed`: (after `traffic`) the first prompts hold the paragraphs in two halves, each among as
   many paragraphs of other questions: the co-occurring documents differ, as in real traffic;
+- `new<S>`: a share S of each prompt's paragraphs (drawn per question) is never stored: new
+  text the prefill computes, the rest chunks (a prompt part new, part seen before);
 - `ape` or `ape<T>x<S>`: the question's attention over the chunks tempered as APE does
   (default T = S = 0.9, the APE code's);
 - `fp32`, `batch` (with `full` only): the full prefill again in float32, or inside a batch with
@@ -46,6 +48,7 @@ class Method:
     prefix_chunks: bool = False
     traffic_chunks: bool = False
     mixed_traffic: bool = False
+    new_paragraphs: float = 0.0
     tempering: tuple[float, float] = (1.0, 1.0)
     noise: str | None = field(default=None)  # "fp32" or "batch": a full prefill computed otherwise
 
@@ -67,6 +70,7 @@ def parse_method(method: str) -> Method:
     base, *modifiers = name.split("+")
     options: dict[str, object] = {}
     prefix, traffic, mixed, tempering, noise = False, False, False, (1.0, 1.0), None
+    new = 0.0
     if base == "default":
         base = DEFAULT_SELECTOR
         options["sink_tokens"] = DEFAULT_SINK_TOKENS
@@ -86,6 +90,8 @@ def parse_method(method: str) -> Method:
             traffic = True
         elif modifier == "mixed" and traffic:
             mixed = True
+        elif modifier.startswith("new"):
+            new = float(modifier[3:])
         elif modifier.startswith("ape"):
             given = modifier[3:]
             t, s = given.split("x") if given else APE_DEFAULT
@@ -104,4 +110,4 @@ def parse_method(method: str) -> Method:
         selector = make_selector(base, value, **options)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"method {method!r}: {err}") from None
-    return Method(selector, prefix, traffic, mixed, tempering, noise)
+    return Method(selector, prefix, traffic, mixed, new, tempering, noise)

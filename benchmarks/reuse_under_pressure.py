@@ -16,10 +16,12 @@ Per request: the tokens of its popular paragraphs seen before in the arm's run, 
 document tokens its fused prefill matched to stored chunks (the fusion counters around it; a
 one-off is never seen again, so every match is a popular paragraph's). Reported after the
 first fifth (warm-up): matched / seen-before popular tokens, median TTFT fused and fusion off,
-and the server's capture and admission counters.
+the server's capture and admission counters, and how much of the prompts the stored chunks
+covered (`matched_shares`: what the break-even fallback decides by).
 
     python -m benchmarks.reuse_under_pressure [--requests 200 --one-off 0.8 --budget 1.5]
--> benchmarks/results/reuse_under_pressure.json and .png (`--plot-only` redraws the figure).
+-> benchmarks/results/reuse_under_pressure.json and .png (`--plot-only` redraws the figure,
+`--shares-only` adds the matched shares to an earlier run's summary).
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ from benchmarks.smollm2_server import (
     write_report,
 )
 from examples.openai_rag import SYSTEM, ask
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 
 ARMS = ("lru", "adaptive")  # values of chunk_admission; "frequency" too with --arms
+# The shipped fusion_min_matched_share: prompts covered less fall back (`matched_shares`).
+BREAK_EVEN = ExtensionSettings().fusion_min_matched_share
 
 
 def dense_bytes_per_token() -> int:
@@ -127,8 +132,27 @@ def summarise(rows: list[dict[str, Any]], server_info: dict[str, Any]) -> dict[s
         "ttft_ratio_median_of_medians": statistics.median(r["fused_ttft_s"] for r in later)
         / statistics.median(r["off_ttft_s"] for r in later),
         "fused_share": sum(r["fused"] for r in later) / len(later),
+        "matched_shares": matched_shares(later, BREAK_EVEN),
         "auto_chunks": state.get("auto_chunks"),
         "host": host,
+    }
+
+
+def matched_shares(later: list[dict[str, Any]], minimum: float) -> dict[str, float]:
+    """How much of each prompt its stored chunks covered (matched chunk tokens over prompt
+    tokens, a little below the server's share, which leaves out the cached prefix): the median
+    over the requests and over the fused ones, and the share of the popular paragraphs'
+    seen-before tokens held by prompts covered `minimum` or more (what a break-even at
+    `minimum` would still fuse)."""
+    share = [r["chunk_tokens"] / r["prompt_tokens"] for r in later]
+    fused = [s for s, r in zip(share, later, strict=True) if r["fused"]]
+    seen = sum(r["popular_seen_tokens"] for r in later)
+    above = sum(r["popular_seen_tokens"] for s, r in zip(share, later, strict=True) if s >= minimum)
+    return {
+        "minimum": minimum,
+        "median": statistics.median(share),
+        "median_fused": statistics.median(fused) if fused else 0.0,
+        "popular_seen_tokens_at_minimum": above / max(1, seen),
     }
 
 
@@ -174,11 +198,30 @@ def main() -> int:
     parser.add_argument("--skew", type=float, default=1.0)
     parser.add_argument("--budget", type=float, default=1.5, help="x the popular set's bytes")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument(
+        "--min-matched-share",
+        type=float,
+        default=None,
+        help="fusion_min_matched_share of both arms (default: the server's)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "reuse_under_pressure.json")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
+    parser.add_argument(
+        "--shares-only", action="store_true", help="add matched_shares to --out's arms"
+    )
     args = parser.parse_args()
     if args.plot_only:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
+        return 0
+    if args.shares_only:
+        report = json.loads(args.out.read_text())
+        for result in report["arms"].values():
+            rows = result["rows"]
+            result["summary"]["matched_shares"] = matched_shares(rows[len(rows) // 5 :], BREAK_EVEN)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(
+            json.dumps({arm: r["summary"]["matched_shares"] for arm, r in report["arms"].items()})
+        )
         return 0
     header = report_header("benchmarks.reuse_under_pressure")  # the code the servers run
     draws, hot, questions = traffic(
@@ -197,6 +240,8 @@ def main() -> int:
             "chunk_store_bytes": budget_bytes,
             "chunk_admission": arm,
         }
+        if args.min_matched_share is not None:
+            values["fusion_min_matched_share"] = args.min_matched_share
         env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(values)}
         with smollm2_server(f"pressure-{arm}", extra_args=FLAGS, env=env) as server:
             rows = run_arm(server.url, draws, set(hot), questions, tokens, arm)
@@ -220,6 +265,7 @@ def main() -> int:
         "one_off_share": sum(tokens[d] for docs in draws for d in docs if d not in set(hot))
         / sum(tokens[d] for docs in draws for d in docs),
         "chunk_store_bytes": budget_bytes,
+        "fusion_min_matched_share": args.min_matched_share,
         "dense_bytes_per_token": dense_bytes_per_token(),
         "summary": summary,
         "arms": arms,
