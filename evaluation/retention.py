@@ -46,8 +46,9 @@ def _interval(samples: tuple[np.ndarray, ...], statistic: Any) -> list[float]:
 
 
 def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, Any]]:
-    """Per method over the questions that have it (and reuse, for the paired KL gap): a ratio
-    curve may cover fewer questions than the methods compared at one ratio."""
+    """Per method over the questions that have it (and reuse, for the paired KL gap, when the
+    run measured reuse at all): a ratio curve may cover fewer questions than the methods
+    compared at one ratio."""
     summary: dict[str, dict[str, Any]] = {
         "full": {
             "questions": len(rows),
@@ -56,13 +57,17 @@ def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[
             "agree": 1.0,
         }
     }
+    paired = any("reuse" in row["methods"] for row in rows)
     for method in methods:
-        have = [row for row in rows if method in row["methods"] and "reuse" in row["methods"]]
+        have = [
+            row
+            for row in rows
+            if method in row["methods"] and (not paired or "reuse" in row["methods"])
+        ]
         runs = [row["methods"][method] for row in have]
         f1_full = np.array([row["f1_full"] for row in have])
         f1 = np.array([run["f1"] for run in runs])
         kl = np.array([run["kl"] for run in runs])
-        kl_reuse = np.array([row["methods"]["reuse"]["kl"] for row in have])
         summary[method] = {
             "questions": len(have),
             "f1_full": float(f1_full.mean()),
@@ -76,11 +81,15 @@ def summarise(rows: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[
                 run["prefill_s"] / row["full_prefill_s"]
                 for run, row in zip(runs, have, strict=True)
             ),
-            "kl_gap_closed": float(1 - kl.mean() / kl_reuse.mean()),
-            "kl_gap_closed_ci95": _interval((kl, kl_reuse), lambda a, b: 1 - a.mean() / b.mean()),
             **_answers_kept(f1_full, f1),
             **_token_agreement(runs),
         }
+        if paired:
+            kl_reuse = np.array([row["methods"]["reuse"]["kl"] for row in have])
+            summary[method]["kl_gap_closed"] = float(1 - kl.mean() / kl_reuse.mean())
+            summary[method]["kl_gap_closed_ci95"] = _interval(
+                (kl, kl_reuse), lambda a, b: 1 - a.mean() / b.mean()
+            )
     return summary
 
 

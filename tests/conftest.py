@@ -258,8 +258,8 @@ def chunked_prefill_server(
     tiny_smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerConfig]:
     """Prefilling in rounds of `CHUNKED_PREFILL_TOKENS`, HiCache host tier: shared by
-    tests/test_server_concurrency.py and the chunk capture across rounds of
-    tests/test_server_chunks.py. Every fused answer is shadow-checked (`fusion_shadow_rate` 1)
+    tests/test_server_concurrency.py, tests/test_server_long_fused_prompt.py and the chunk
+    capture across rounds of tests/test_server_chunks.py. Every fused answer is shadow-checked (`fusion_shadow_rate` 1)
     into a queue of `SHADOW_QUEUE`: concurrent traffic fills it. What these tests assert is
     scheduling's, not the weights': each answer under concurrent, split traffic is its own
     one-by-one answer, r = 1 is the normal prefill, stored rows are the model's keys. So the
