@@ -107,11 +107,12 @@ def question_over_chunks(layout: RequestLayout, prefix_len: int) -> list[Segment
     keep[: max(prefix_len, _ATTENTION_SINK)] = True
     if bool(keep.all()):
         return None
-    ids, question = layout.token_ids.tolist(), layout.is_question.tolist()
+    # Python lists: a tensor indexed element by element costs microseconds a token.
+    ids, question, kept_at = layout.token_ids.tolist(), layout.is_question.tolist(), keep.tolist()
     out: list[Segment] = []
 
     def text(start: int, end: int) -> None:
-        kept = [p for p in range(start, end) if keep[p]]
+        kept = [p for p in range(start, end) if kept_at[p]]
         run: list[int] = []  # consecutive kept positions of one kind: question or not
         for position in kept:
             if run and question[run[-1]] != question[position]:
