@@ -91,7 +91,12 @@ def parse_method(method: str) -> Method:
         elif modifier == "mixed" and traffic:
             mixed = True
         elif modifier.startswith("new"):
-            new = float(modifier[3:])
+            try:
+                new = float(modifier[3:])
+            except ValueError:
+                new = -1.0
+            if not 0.0 <= new <= 1.0:
+                raise SystemExit(f"modifier {modifier!r}: new<S> needs a share S in [0, 1]")
         elif modifier.startswith("ape"):
             given = modifier[3:]
             t, s = given.split("x") if given else APE_DEFAULT

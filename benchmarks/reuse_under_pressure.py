@@ -118,8 +118,13 @@ def run_arm(
     return rows
 
 
+def after_warmup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The requests reported: all but the first fifth."""
+    return rows[len(rows) // 5 :]
+
+
 def summarise(rows: list[dict[str, Any]], server_info: dict[str, Any]) -> dict[str, Any]:
-    later = rows[len(rows) // 5 :]
+    later = after_warmup(rows)
     seen_tokens = sum(r["popular_seen_tokens"] for r in later)
     state = server_info["internal_states"][0]["hicache_ext"]
     chunks = state.get("chunks") or {}
@@ -172,9 +177,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
             reused += row["chunk_tokens"]
             curve.append(reused / seen if seen else 0.0)
         reuse.plot(range(1, len(rows) + 1), curve, label=f"chunk_admission: {arm}")
-        ttft_ratio_cdf(
-            ttft, [r["fused_ttft_s"] / r["off_ttft_s"] for r in rows[len(rows) // 5 :]], arm
-        )
+        ttft_ratio_cdf(ttft, [r["fused_ttft_s"] / r["off_ttft_s"] for r in after_warmup(rows)], arm)
     reuse.axhline(0.9, linestyle="--", color="grey")
     reuse.set(
         xlabel="request",
@@ -217,7 +220,7 @@ def main() -> int:
         report = json.loads(args.out.read_text())
         for result in report["arms"].values():
             rows = result["rows"]
-            result["summary"]["matched_shares"] = matched_shares(rows[len(rows) // 5 :], BREAK_EVEN)
+            result["summary"]["matched_shares"] = matched_shares(after_warmup(rows), BREAK_EVEN)
         args.out.write_text(json.dumps(report, indent=1))
         print(
             json.dumps({arm: r["summary"]["matched_shares"] for arm, r in report["arms"].items()})
