@@ -35,7 +35,11 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.adapters.tensor_parallel import 
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import AutoCapture
 from sglang_hicache_ext.sglang_ext.chunk_fusion.context_variants import ContextVariants
 from sglang_hicache_ext.sglang_ext.chunk_fusion.model_check import ModelCheck
-from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
+from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import (
+    ChunkRegistry,
+    HostChunk,
+    host_chunk,
+)
 from sglang_hicache_ext.sglang_ext.chunk_fusion.service import SERVICE_ATTRIBUTE, FusionService
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
@@ -49,6 +53,12 @@ from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
 from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier
+from sglang_hicache_ext.tiers.chunks.retention import (
+    PRIOR_LOWER_BYTES_PER_S,
+    RetentionCosts,
+    UtilityRetention,
+)
+from sglang_hicache_ext.tiers.chunks.stored_forms import StoredChunkForms
 from sglang_hicache_ext.tiers.chunks.tier import chunk_namespace
 from sglang_hicache_ext.tuning.ratio.agreement_target import AgreementTarget
 from sglang_hicache_ext.tuning.ratio.live_fidelity import LiveFidelity
@@ -109,7 +119,23 @@ def _fusion_service(
         admission = FrequencyAdmission.for_entries(
             entries, settings.chunk_store_bytes, _disk_budget(settings)
         )
-    registry = _chunk_registry(ctx, settings, tp, rope, metrics, admission)
+    self_tuned = SelfTunedRatios.for_model(
+        _model_name(ctx.model_config),
+        checked=settings.fusion_target_agreement is not None and settings.fusion_shadow_rate > 0,
+    )
+    retention: UtilityRetention[HostChunk] | None = None
+    if settings.chunk_retention == "utility":
+        retention = UtilityRetention(
+            settings.chunk_retention_max_kv_error,
+            RetentionCosts(
+                measured_prefill=_prefill_s_per_token(
+                    self_tuned, int(ctx.model_config.num_hidden_layers)
+                ),
+                lower_bytes_per_s=settings.chunk_disk_read_bytes_per_s or PRIOR_LOWER_BYTES_PER_S,
+            ),
+            admission=admission,
+        )
+    registry = _chunk_registry(ctx, settings, tp, rope, metrics, admission, retention)
     auto_capture = None
     if settings.auto_chunks:
         # The preflight refuses auto_chunks with --skip-tokenizer-init: the scheduler has one.
@@ -121,11 +147,7 @@ def _fusion_service(
         settings=settings,
         registry=registry,
         model=ModelCheck(tp=tp),
-        self_tuned=SelfTunedRatios.for_model(
-            _model_name(ctx.model_config),
-            checked=settings.fusion_target_agreement is not None
-            and settings.fusion_shadow_rate > 0,
-        ),
+        self_tuned=self_tuned,
         fidelity=LiveFidelity(
             AgreementTarget(settings.fusion_target_agreement)
             if settings.fusion_target_agreement is not None
@@ -141,6 +163,18 @@ def _fusion_service(
     return service, ""
 
 
+def _prefill_s_per_token(
+    self_tuned: SelfTunedRatios, num_layers: int
+) -> Callable[[], float | None]:
+    """The prefill seconds per token the fused prefills measured, for the retention's utility."""
+
+    def measured() -> float | None:
+        per_layer = self_tuned.compute_s_per_token_layer()
+        return None if per_layer is None else per_layer * num_layers
+
+    return measured
+
+
 def _disk_budget(settings: ExtensionSettings) -> int | None:
     """The chunk disk tier's budget, None without one: what host memory writes through to,
     which the adaptive admission's shadows replay below host memory."""
@@ -154,6 +188,7 @@ def _chunk_registry(
     rope: LayerRopes,
     metrics: ExtensionMetrics | None,
     admission: FrequencyAdmission | None,
+    retention: UtilityRetention[HostChunk] | None,
 ) -> ChunkRegistry:
     """The registry over host memory and the tiers `chunk_tier_names` lists below it.
 
@@ -168,6 +203,11 @@ def _chunk_registry(
     disk, remote = lower.get("disk"), lower.get("mooncake")
     assert disk is None or isinstance(disk, ChunkDiskTier)
     assert remote is None or isinstance(remote, ChunkRemoteTier)
+    if retention is not None:  # dropped from host memory, a chunk a lower tier keeps is not lost
+        kept = [tier for tier in (disk, remote) if tier is not None]
+        retention.bind(StoredChunkForms(host_chunk, lambda key: any(key in t for t in kept)))
+        if disk is not None:  # the disk's budget gives up the least reused first too
+            disk.keep_score = retention.frequency
     return ChunkRegistry(
         settings.chunk_store_bytes,
         rope,
@@ -184,6 +224,7 @@ def _chunk_registry(
         else None,
         metrics=metrics,
         admission=admission,
+        retention=retention,
     )
 
 

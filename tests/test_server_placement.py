@@ -104,6 +104,11 @@ def test_placement_profiles_places_and_survives_a_restart(
             for d in DOCUMENTS
         ]
         assert requests.get(url + "/hicache_ext/placement", timeout=30).json()["rounds"] == 0
+        # Before any placement, retention by utility (the default) made room for the four by
+        # compressing a chunk a step where demoting it would cost a read off this slow disk.
+        stats = _listing(url)["stats"]
+        assert stats["compressed_to_int8"] >= 1 and stats["bytes_by_form"]["int8"] > 0
+        assert stats["bytes_used"] <= HOST_BYTES and stats["lost"] == 0
         for question in "abc":
             assert _fused(url, question)["fused"]
         for body, message in [

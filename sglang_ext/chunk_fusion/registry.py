@@ -54,6 +54,7 @@ from sglang_hicache_ext.tiers.chunks.host_cache import (
     NotAdmittedError,
 )
 from sglang_hicache_ext.tiers.chunks.remote_tier import ChunkRemoteTier
+from sglang_hicache_ext.tiers.chunks.retention import UtilityRetention
 from sglang_hicache_ext.tiers.chunks.stored_forms import BlobReader, StoredBlob, stored_codec
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class ChunkRegistry:
         context_variants: ContextVariants | None = None,
         metrics: ExtensionMetrics | None = None,
         admission: FrequencyAdmission | None = None,
+        retention: UtilityRetention[HostChunk] | None = None,
     ) -> None:
         self.index = ChunkIndex()
         self.metrics = metrics
@@ -105,7 +107,7 @@ class ChunkRegistry:
         self.store: ChunkTiers[HostChunk] = ChunkTiers(
             # With `admission`, pieces kept from traffic win their place by how often they
             # were seen (`add(..., by_frequency=True)`); registered chunks always get one.
-            HostChunkCache(capacity_bytes, admission),
+            HostChunkCache(capacity_bytes, admission, retention),
             disk,
             host_chunk,
             summarize,
@@ -348,6 +350,7 @@ class ChunkRegistry:
             stats = self.store.stats()
             metrics.chunk_stored_bytes(stats.host.bytes_used, tier="host")
             metrics.host_decisions({key: getattr(stats.host, key) for key in HOST_DECISIONS})
+            metrics.host_bytes_by_form(stats.host.bytes_by_form)
             if stats.disk is not None:
                 metrics.chunk_stored_bytes(stats.disk.bytes_used, tier="disk")
             if stats.remote is not None:

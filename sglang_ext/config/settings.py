@@ -207,6 +207,27 @@ class ExtensionSettings(FusionSettings):
         "served more of the recent sights (two key-only replays of host memory's budget, "
         "about 100 bytes a chunk each). Registered chunks (POST /chunks) are always admitted.",
     )
+    # docs/auto-chunks.md, "Compress before dropping".
+    chunk_retention: Literal["utility", "lru"] = Field(
+        "utility",
+        description="Which chunks give up their room in host memory when a new one needs it. "
+        "utility: the moves that lose the least expected prefill time per byte freed (a "
+        "chunk's decayed reuse x the seconds a reuse saves in its form and tier): compressing "
+        "a chunk one step (dense -> int8 -> int4, within chunk_retention_max_kv_error) or "
+        "dropping it from host memory (a demotion where the disk or shared tier keeps it); the "
+        "chunk disk tier's budget then evicts the least reused first. lru: the least recently "
+        "used are dropped, nothing is compressed (the behaviour before utility retention).",
+    )
+    chunk_retention_max_kv_error: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="Largest relative error of a chunk's K or V rows (|K' - K| / |K|, per layer, "
+        "summed over its compressions) that retention by utility may keep in host memory. "
+        "A compression over it is not kept (counted: compression_refused). The default keeps "
+        "int8 (SmolLM2: at most 0.2 %) and refuses int4 (2.8-3.3 %), whose answers moved on "
+        "Qwen2.5 (docs/compression-placement.md).",
+    )
     chunk_admission_sketch_entries: int = Field(
         10_000,
         ge=64,

@@ -30,6 +30,9 @@ HOST_DECISIONS = (
     "admitted_by_recency",
     "refused_by_frequency",
     "evictions",
+    "compressed_to_int8",
+    "compressed_to_int4",
+    "compression_refused",
 )
 CHUNK_STORE_TIER = "host"  # registered chunks' KV lives in host memory (tiers/chunks/host_cache.py)
 
@@ -172,10 +175,19 @@ class ExtensionMetrics:
             "Chunks that did not fit in host memory's free bytes, by decision (chunk_admission):"
             " admitted_by_frequency (seen more often than each chunk it evicted), "
             "admitted_by_recency (the adaptive rule following recency), refused_by_frequency "
-            "(refused at the door); evictions: chunks host memory dropped for another.",
+            "(refused at the door); evictions: chunks host memory dropped for another; "
+            "compressed_to_int8 / compressed_to_int4: chunks compressed to make room "
+            "(chunk_retention utility); compression_refused: compressions over "
+            "chunk_retention_max_kv_error, not kept.",
             "decision",
         )
         self._host_decision_counts = CountMirror()
+        self._host_bytes_by_form = gauge(
+            "chunk_host_bytes_by_form",
+            'KV bytes host memory holds per form ("none": dense rows; int8, int4: compressed '
+            "by chunk_retention utility or registered so).",
+            "form",
+        )
         self._shared_found = counter(
             "shared_chunks_found_total",
             "Chunks other servers stored in the shared tier (registered or kept by auto_chunks) "
@@ -229,6 +241,10 @@ class ExtensionMetrics:
 
     def chunk_miss(self, tier: str = CHUNK_STORE_TIER) -> None:
         self._chunk_misses.labels(**self.labels, tier=tier).inc()
+
+    def host_bytes_by_form(self, nbytes: Mapping[str, int]) -> None:
+        for form in ("none", "int8", "int4"):
+            self._host_bytes_by_form.labels(**self.labels, form=form).set(nbytes.get(form, 0))
 
     def chunk_stored_bytes(self, nbytes: int, tier: str = CHUNK_STORE_TIER) -> None:
         self._chunk_stored_bytes.labels(**self.labels, tier=tier).set(nbytes)

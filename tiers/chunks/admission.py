@@ -91,10 +91,10 @@ class FrequencySketch:
     def memory_bytes(self) -> int:
         return self.counters.nbytes + self.doorkeeper.nbytes
 
-    def _slots(self, digest: Digest) -> tuple[np.ndarray, list[int]]:
+    def _slots(self, digest: Digest) -> tuple[list[int], list[int]]:
         first, step = digest
         mask = self.width - 1
-        columns = np.array([(first + i * step) & mask for i in range(DEPTH)], dtype=np.int64)
+        columns = [(first + i * step) & mask for i in range(DEPTH)]
         door_mask = self.doorkeeper_bits - 1
         bits = [((first >> 32) + i * (step >> 1)) & door_mask for i in range(3)]
         return columns, bits
@@ -114,12 +114,12 @@ class FrequencySketch:
                 self.doorkeeper[b >> 3] |= np.uint8(1 << (b & 7))
         else:
             rows = np.arange(DEPTH)
-            current = self.counters[rows, columns]
+            current = self.counters[rows, np.array(columns, dtype=np.int64)]
             # Conservative update: only the smallest counters grow, which keeps the
             # overestimate of keys that share a slot with a popular one small.
             low = current == current.min()
             grow = low & (current < MAX_COUNT)
-            self.counters[rows[grow], columns[grow]] += np.uint8(1)
+            self.counters[rows[grow], np.array(columns, dtype=np.int64)[grow]] += np.uint8(1)
         self.sights += 1
         if self.sights >= self.sample_size:
             self._halve()
@@ -132,7 +132,7 @@ class FrequencySketch:
     def estimate_digest(self, digest: Digest) -> int:
         """`estimate` of the key whose `digest_of` this is."""
         columns, bits = self._slots(digest)
-        count = int(self.counters[np.arange(DEPTH), columns].min())
+        count = min(int(self.counters[row, column]) for row, column in enumerate(columns))
         return count + (1 if self._in_doorkeeper(bits) else 0)
 
     def _halve(self) -> None:
@@ -320,7 +320,8 @@ class FrequencyAdmission:
         if sight_key != key:
             self._sight_keys[key] = sight_key
 
-    def _estimate(self, key: str) -> int:
+    def estimate(self, key: str) -> int:
+        """How often `key` was seen lately (by its sight key, `count_as`)."""
         return self.sketch.estimate(self._sight_keys.get(key, key))
 
     def record(self, key: str) -> None:
@@ -363,8 +364,8 @@ class FrequencyAdmission:
         if self.mode == "recency":
             decision = True
         else:
-            best = max((self._estimate(victim) for victim in victims), default=-1)
-            decision = self._estimate(candidate) > best
+            best = max((self.estimate(victim) for victim in victims), default=-1)
+            decision = self.estimate(candidate) > best
         if count:
             if decision:
                 self.admitted += 1

@@ -100,6 +100,9 @@ class ChunkDiskTier(ChunkTier[ChunkDiskStats]):
         # Told of every chunk that leaves the tier other than by `remove` (evicted by the budget,
         # dropped as corrupt), so an owner can forget chunks no tier holds any more.
         self.on_drop: Callable[[str], None] | None = None
+        # How much a chunk is worth keeping (host memory's retention by utility: its expected
+        # reuse); the budget evicts the least worth first, the least recently used among equals.
+        self.keep_score: Callable[[str], float] | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -159,7 +162,7 @@ class ChunkDiskTier(ChunkTier[ChunkDiskStats]):
             return False
         with self._lock:
             self._entries[key] = _Entry(path, size, now)
-            victims = self._over_budget()
+            victims = self._over_budget(keep=key)
         for victim in victims:
             self._delete(victim)
             self._dropped(victim)
@@ -285,11 +288,19 @@ class ChunkDiskTier(ChunkTier[ChunkDiskStats]):
             os.utime(entry.path, (now, now))
         return entry
 
-    def _over_budget(self) -> list[str]:
-        """Keys to evict (least recently used first) to fit the budget; caller holds the lock."""
+    def _over_budget(self, keep: str | None = None) -> list[str]:
+        """Keys to evict (the least worth keeping, then the least recently used first) to fit
+        the budget, never `keep` (the chunk just written: a write that returned True is on
+        disk); caller holds the lock."""
         used = sum(entry.nbytes for entry in self._entries.values())
+        if used <= self.capacity_bytes:
+            return []
+        score = self.keep_score or (lambda key: 0.0)
         victims = []
-        for key, entry in sorted(self._entries.items(), key=lambda kv: kv[1].last_access):
+        order = sorted(self._entries.items(), key=lambda kv: (score(kv[0]), kv[1].last_access))
+        for key, entry in order:
+            if key == keep:
+                continue
             if used <= self.capacity_bytes:
                 break
             victims.append(key)

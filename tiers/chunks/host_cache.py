@@ -1,4 +1,4 @@
-"""Host memory's cache of precomputed chunk KV, with a byte capacity and LRU eviction.
+"""Host memory's cache of precomputed chunk KV, with a byte capacity: LRU, or retention by utility.
 
 Keys are content hashes of the chunk's token ids (the same text always maps to the same entry,
 so registration is idempotent). Values are any object that reports its size in `nbytes`
@@ -11,19 +11,27 @@ pieces kept from traffic, never a registration) must win its place: when it does
 free bytes, it evicts the least recently used entries only if it was seen more often than each
 of them, and is refused (NotAdmittedError, counted) otherwise; `would_admit` asks the same
 question without storing, so a caller can skip the work of preparing a piece that would be
-refused. Eviction stays least recently used; admission decides only who may cause one.
+refused. Admission decides only who may cause an eviction.
+
+Which entries make room is least recently used, or, with a `UtilityRetention`
+(`retention.py`), the moves that lose the least worth per byte: an entry compressed one step
+(dense -> int8 -> int4, within its quality floor) or dropped. Admission then weighs the
+candidate against the entries that plan would drop: one that only compresses others costs no
+entry its place.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import cachetools
 
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
+from sglang_hicache_ext.tiers.chunks.retention import Held, UtilityRetention
 
 
 class HasNbytes(Protocol):
@@ -59,6 +67,13 @@ class HostCacheStats(LruCounts):
     refused_by_frequency: int
     # Inserts that did not fit, admitted while the adaptive admission followed recency.
     admitted_by_recency: int
+    # Retention by utility: entries compressed to make room, and compressions not kept (over
+    # the quality floor, or the codec failed).
+    compressed_to_int8: int = 0
+    compressed_to_int4: int = 0
+    compression_refused: int = 0
+    # Bytes held per form ("none": dense rows), with a retention (which knows the forms).
+    bytes_by_form: dict[str, int] = field(default_factory=dict)
 
 
 class NotAdmittedError(HostCacheFullError):
@@ -102,11 +117,17 @@ class _PinnedLru(cachetools.Cache[str, V]):
 class HostChunkCache(Generic[V]):
     """Thread-safe LRU by bytes; `get` refreshes recency; `pin`/`unpin` protect entries in use."""
 
-    def __init__(self, capacity_bytes: int, admission: FrequencyAdmission | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        admission: FrequencyAdmission | None = None,
+        retention: UtilityRetention[V] | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes
         self.admission = admission
+        self.retention = retention  # None: the least recently used make room
         self._pins: dict[str, int] = {}
         self._entries: _PinnedLru[V] = _PinnedLru(capacity_bytes, self._pinned_locked)
         self._lock = threading.Lock()
@@ -152,9 +173,15 @@ class HostChunkCache(Generic[V]):
             return victims is not None and self.admission.admit(key, victims, count=False)
 
     def _victims_locked(self, nbytes: int) -> list[str] | None:
-        """The entries an insert of `nbytes` new bytes would evict, least recently used first;
-        None when it cannot fit (larger than the store, or the rest is pinned)."""
+        """The entries an insert of `nbytes` new bytes would evict, least recently used first
+        (with a retention: those its plan drops); None when it cannot fit (larger than the
+        store, or the rest is pinned)."""
         free = self._capacity - self._entries.currsize
+        if self.retention is not None:
+            if free >= nbytes:
+                return []
+            moves = self.retention.plan(self._held_locked(), nbytes - free)
+            return None if moves is None else [m.key for m in moves if m.to is None]
         victims: list[str] = []
         for key in self._entries:
             if free >= nbytes:
@@ -192,6 +219,8 @@ class HostChunkCache(Generic[V]):
             old = self._entries.pop(key, None)
             self._entries.evicted = evicted = []
             stored = evict or self._entries.currsize + size <= self._capacity
+            if stored and evict and self.retention is not None:
+                self._make_room_locked(size)
             if stored:
                 try:
                     self._entries[key] = value  # evicts (`_PinnedLru.popitem`) until it fits
@@ -199,6 +228,11 @@ class HostChunkCache(Generic[V]):
                     stored = False
             # A refused insert may have evicted entries before finding the rest pinned.
             self._counts["evictions"] += len(evicted)
+            if self.retention is not None:
+                for gone in evicted:
+                    self.retention.forget(gone)
+                if stored:
+                    self.retention.stored(key, value)
             if not stored:
                 if old is not None:  # keep what was stored: a failed replace must not lose it
                     self._entries[key] = old
@@ -209,6 +243,32 @@ class HostChunkCache(Generic[V]):
                     "and the rest is pinned by running requests"
                 )
             return evicted
+
+    def _held_locked(self) -> list[Held]:
+        """What the retention may give up: every unpinned entry, least recently used first."""
+        assert self.retention is not None
+        return [
+            self.retention.held(key, value)
+            for key, value in self._entries.items()
+            if not self._pinned_locked(key)
+        ]
+
+    def _make_room_locked(self, nbytes: int) -> None:
+        """Apply the retention's cheapest moves until `nbytes` fit in the free bytes (or nothing
+        unpinned is left to give up: the insert then finds the rest pinned). Drops go to
+        `_entries.evicted`; a compression keeps the entry's place in the recency order."""
+        assert self.retention is not None
+        while self._capacity - self._entries.currsize < nbytes:
+            move = self.retention.cheapest(self._held_locked())
+            if move is None:
+                return
+            if move.to is None:
+                del self._entries[move.key]
+                self._entries.evicted.append(move.key)
+                continue
+            smaller = self.retention.compressed(move.key, self._entries[move.key], move.to)
+            if smaller is not None:
+                self._entries[move.key] = smaller  # smaller: no eviction, same place
 
     def _admit_locked(self, key: str, size: int) -> None:
         """Raise NotAdmittedError unless `key` may take the room `size` new bytes need."""
@@ -234,6 +294,8 @@ class HostChunkCache(Generic[V]):
                 self._counts["misses"] += 1
                 return None
             self._counts["hits"] += 1
+            if self.retention is not None:
+                self.retention.read(key)
             return self._entries.touch(key)
 
     def remove(self, key: str) -> bool:
@@ -244,6 +306,8 @@ class HostChunkCache(Generic[V]):
             if self._pinned_locked(key):
                 return False
             del self._entries[key]
+            if self.retention is not None:
+                self.retention.forget(key)
             return True
 
     def pinned(self, key: str) -> bool:
@@ -260,6 +324,8 @@ class HostChunkCache(Generic[V]):
                 self._counts["misses"] += 1
                 raise KeyError(key)
             self._counts["hits"] += 1
+            if self.retention is not None:
+                self.retention.read(key)
             self._pins[key] = self._pins.get(key, 0) + 1
             return self._entries.touch(key)
 
@@ -276,7 +342,14 @@ class HostChunkCache(Generic[V]):
     def stats(self) -> HostCacheStats:
         with self._lock:
             occupancy = (len(self._entries), self._entries.currsize, self._capacity)
-            return HostCacheStats(*occupancy, **self._counts)
+            retained: dict[str, Any] = {}
+            if self.retention is not None and self.retention.forms is not None:
+                forms = self.retention.forms
+                by_form: Counter[str] = Counter()
+                for value in self._entries.values():
+                    by_form[forms.form(value)] += forms.nbytes(value)
+                retained = {**self.retention.counts, "bytes_by_form": dict(by_form)}
+            return HostCacheStats(*occupancy, **self._counts, **retained)
 
     def _pinned_locked(self, key: str) -> bool:
         """`pinned`, for a caller that holds the lock."""

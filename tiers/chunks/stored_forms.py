@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO, Generic, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -125,6 +125,52 @@ def through_codec(chunk: ChunkLike, codec: KVCodec) -> ChunkTensors:
     return ChunkTensors(
         tuple(chunk.token_ids), tuple(keys), tuple(values), chunk.freq_scores, chunk.alpha
     )
+
+
+def kv_error(rows: ChunkLike, back: ChunkLike) -> float:
+    """The largest relative error of `back`'s K or V against `rows`' over layers,
+    |K' - K| / |K| (Frobenius norms)."""
+    worst = 0.0
+    pairs = zip((*rows.keys, *rows.values), (*back.keys, *back.values), strict=True)
+    for exact, decoded in pairs:
+        exact = exact.float()
+        scale = float(torch.linalg.vector_norm(exact))
+        if scale > 0:
+            gap = float(torch.linalg.vector_norm(decoded.float() - exact))
+            worst = max(worst, gap / scale)
+    return worst
+
+
+H = TypeVar("H")
+
+
+class StoredChunkForms(Generic[H]):
+    """What host memory holds of a chunk, for its retention (`retention.ChunkForms`): dense rows
+    (a `ChunkLike`) or a compressed chunk's `StoredBlob`. `rebuild` turns a blob into the
+    owner's host value; `below` says whether a lower tier keeps a key."""
+
+    def __init__(self, rebuild: Callable[[StoredBlob], H], below: Callable[[str], bool]) -> None:
+        self._rebuild = rebuild
+        self.below = below
+
+    def form(self, value: H) -> str:
+        if isinstance(value, StoredBlob):
+            return value.header.codec or "none"
+        return "none"
+
+    def tokens(self, value: H) -> int:
+        if isinstance(value, StoredBlob):
+            return value.header.num_tokens
+        return len(cast(ChunkLike, value).token_ids)
+
+    def nbytes(self, value: H) -> int:
+        return int(cast(StoredBlob, value).nbytes)
+
+    def compress(self, key: str, value: H, to: str) -> tuple[H, float]:
+        rows = decode_chunk(value.data, key) if isinstance(value, StoredBlob) else value
+        rows = cast(ChunkLike, rows)
+        blob = compressed_blob(key, rows, stored_codec(to))
+        return self._rebuild(blob), kv_error(rows, decode_chunk(blob.data, key))
 
 
 def parse_stored_header(file: BinaryIO, name: str, rows_follow: bool = True) -> ChunkFileHeader:

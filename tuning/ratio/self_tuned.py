@@ -81,6 +81,12 @@ class SelfTunedRatios:
                 self._compute.append(seconds / token_layers)
             self._log()
 
+    def compute_s_per_token_layer(self) -> float | None:
+        """The mean of the recent fused prefills' compute per computed token-layer; None
+        before the first."""
+        with self._lock:
+            return _mean(self._compute) if self._compute else None
+
     def record_load(self, tier: str, seconds: float, token_layers: int) -> None:
         """Reading `token_layers` rows (tokens x layers) of a tier took `seconds`."""
         if tier != HOST_TIER and token_layers > 0 and seconds >= 0 and math.isfinite(seconds):

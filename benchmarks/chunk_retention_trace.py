@@ -1,0 +1,228 @@
+"""What compressing before dropping adds to admission under pressure, on the traces of
+`chunk_admission_trace` (same mixes, budgets, warm-up and metric: tokens of pieces found stored
+/ tokens of pieces seen before).
+
+Arms, all with the default admission (`chunk_admission: "adaptive"`):
+- `lru`: `chunk_retention: "lru"`, host memory drops the least recently used (before this
+  change, the only eviction);
+- `utility`: `chunk_retention: "utility"` (the default now), the shipped `UtilityRetention`
+  with its default floor: a chunk is compressed a step (dense -> int8) or dropped, whichever
+  loses least; int4 stays refused by the floor. A piece's KV is `--kv-bytes-per-token` (an 8B
+  model's bf16 KV: 128 KiB a token); int8 keeps `PRIOR_SIZE_RATIO` of it (bf16 rows: 0.53);
+- `belady`: offline, every piece dense (the reference of `chunk_admission_trace`);
+- `belady_int8`: offline with every piece int8 (the budget over the int8 ratio): what a policy
+  that compresses every piece could at best keep.
+
+    python -m benchmarks.chunk_retention_trace   # benchmarks/results/chunk_retention_trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.chunk_admission_trace import (
+    RESULTS,
+    SKETCH_ENTRIES,
+    Trace,
+    _floats,
+    mooncake_trace,
+    reusable_tokens,
+    run_belady,
+    synthetic_trace,
+)
+from benchmarks.shared_data import CONVERSATION_TRACE
+from benchmarks.smollm2_server import write_json
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
+from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
+from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
+from sglang_hicache_ext.tiers.chunks.retention import (
+    PRIOR_SIZE_RATIO,
+    PRIOR_STEP_ERROR,
+    UtilityRetention,
+)
+
+MAX_ERROR = ExtensionSettings.model_fields["chunk_retention_max_kv_error"].default
+ARMS = ("lru", "utility")
+
+
+@dataclass(frozen=True)
+class Stored:
+    tokens: int
+    nbytes: int
+    form: str = "none"
+
+
+class StoredForms:
+    """`ChunkForms` of a trace's pieces: a compression keeps the learned size ratio and adds
+    the prior error of its step (what the measured codecs do to SmolLM2's KV)."""
+
+    def __init__(self, disk: HostChunkCache[Stored] | None) -> None:
+        self._disk = disk
+
+    def form(self, value: Stored) -> str:
+        return value.form
+
+    def tokens(self, value: Stored) -> int:
+        return value.tokens
+
+    def nbytes(self, value: Stored) -> int:
+        return value.nbytes
+
+    def below(self, key: str) -> bool:
+        return self._disk is not None and key in self._disk
+
+    def compress(self, key: str, value: Stored, to: str) -> tuple[Stored, float]:
+        return Stored(value.tokens, int(value.nbytes * PRIOR_SIZE_RATIO[to]), to), PRIOR_STEP_ERROR[
+            to
+        ]
+
+
+def run_arm(
+    trace: Trace,
+    sizes: dict[str, int],
+    host_budget: int,
+    disk_budget: int,
+    start: int,
+    arm: str,
+    kv_bytes: int,
+) -> tuple[int, dict[str, int]]:
+    """Reused tokens after `start`, and host memory's counts, under the default admission and
+    `chunk_retention: <arm>` (budgets in tokens, as `chunk_admission_trace.run_policy`'s)."""
+    admission = FrequencyAdmission.for_entries(
+        SKETCH_ENTRIES, host_budget * kv_bytes, disk_budget * kv_bytes or None
+    )
+    disk: HostChunkCache[Stored] | None = (
+        HostChunkCache(disk_budget * kv_bytes) if disk_budget else None
+    )
+    retention: UtilityRetention[Stored] | None = None
+    if arm == "utility":
+        retention = UtilityRetention(MAX_ERROR, admission=admission)
+        retention.bind(StoredForms(disk))
+    host: HostChunkCache[Stored] = HostChunkCache(host_budget * kv_bytes, admission, retention)
+    reused = 0
+    for index, pieces in enumerate(trace):
+        admission.record_prompt([(key, sizes[key] * kv_bytes) for key in pieces])
+        for key in pieces:
+            piece = Stored(sizes[key], sizes[key] * kv_bytes)
+            counted = sizes[key] if index >= start else 0
+            if host.get(key) is not None:
+                reused += counted
+                continue
+            if disk is not None and disk.get(key) is not None:
+                reused += counted
+                with contextlib.suppress(HostCacheFullError):
+                    host.put(key, piece)  # promoted without admission, as ChunkTiers.pin does
+                continue
+            try:
+                host.put(key, piece, by_frequency=True)
+            except HostCacheFullError:
+                continue
+            if disk is not None:
+                with contextlib.suppress(HostCacheFullError):
+                    disk.put(key, piece)
+    stats = host.stats()
+    counts = {"evictions": stats.evictions, "compressed_to_int8": stats.compressed_to_int8}
+    return reused, counts
+
+
+def measure(
+    trace: Trace,
+    sizes: dict[str, int],
+    reference_tokens: int,
+    budget: float,
+    disk: float,
+    kv_bytes: int,
+) -> dict[str, Any]:
+    start = len(trace) // 5
+    host_budget, disk_budget = int(budget * reference_tokens), int(disk * reference_tokens)
+    reusable = reusable_tokens(trace, sizes, start)
+    row: dict[str, Any] = {}
+    for arm in ARMS:
+        reused, counts = run_arm(trace, sizes, host_budget, disk_budget, start, arm, kv_bytes)
+        row[arm] = round(reused / reusable, 4)
+        row[f"{arm}_counts"] = counts
+    belady = run_belady(trace, sizes, host_budget + disk_budget, start)
+    int8_budget = int(host_budget / PRIOR_SIZE_RATIO["int8"]) + disk_budget
+    belady_int8 = run_belady(trace, sizes, int8_budget, start)
+    row["belady"] = round(belady / reusable, 4)
+    row["belady_int8"] = round(belady_int8 / reusable, 4)
+    for arm in ARMS:
+        row[f"{arm}_of_belady"] = round(row[arm] / row["belady"], 4)
+    row["utility_over_lru"] = round(row["utility"] / row["lru"], 4) if row["lru"] else None
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--per-request", type=int, default=8)
+    parser.add_argument("--popular", type=int, default=40)
+    parser.add_argument("--skews", default="0.8,1.0,1.2")
+    parser.add_argument("--one-offs", default="0.5,0.8,0.95")
+    parser.add_argument("--budgets", default="0.5,1.0,1.5")
+    parser.add_argument("--disk-budget", type=float, default=2.0, help="0: no disk rows")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=128 * 1024)
+    parser.add_argument("--trace", type=Path, default=None, help="the Mooncake trace's path")
+    parser.add_argument("--trace-requests", type=int, default=3000)
+    parser.add_argument("--trace-budgets", default="0.1,0.25")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "chunk_retention_trace.json")
+    args = parser.parse_args()
+    kv = args.kv_bytes_per_token
+    rows: list[dict[str, Any]] = []
+    disks = [0.0, args.disk_budget] if args.disk_budget else [0.0]
+    for skew in _floats(args.skews):
+        for one_off in _floats(args.one_offs):
+            trace, sizes = synthetic_trace(
+                args.requests, args.per_request, args.popular, skew, one_off, args.seed
+            )
+            popular_tokens = sum(sizes[f"doc{i}"] for i in range(args.popular))
+            for budget in _floats(args.budgets):
+                for disk in disks:
+                    row = measure(trace, sizes, popular_tokens, budget, disk, kv)
+                    rows.append(
+                        {"skew": skew, "one_off": one_off, "budget": budget, "disk": disk} | row
+                    )
+                    print(json.dumps(rows[-1]), file=sys.stderr)
+    report: dict[str, Any] = {
+        "command": "python -m benchmarks.chunk_retention_trace " + " ".join(sys.argv[1:]),
+        "kv_bytes_per_token": kv,
+        "max_kv_error": MAX_ERROR,
+        "int8_size_ratio": PRIOR_SIZE_RATIO["int8"],
+        "metric": "tokens of pieces found stored / tokens of pieces seen before, after the "
+        "first fifth of the requests",
+        "synthetic": {"requests": args.requests, "popular": args.popular, "rows": rows},
+    }
+    path = args.trace or CONVERSATION_TRACE
+    if path.exists():
+        trace, sizes = mooncake_trace(path, args.trace_requests)
+        seen: dict[str, int] = {}
+        for pieces in trace:
+            for key in pieces:
+                seen[key] = seen.get(key, 0) + 1
+        reused_set = sum(sizes[key] for key, count in seen.items() if count > 1)
+        moon = []
+        for budget in _floats(args.trace_budgets):
+            for disk in (0.0, 2 * budget):
+                row = measure(trace, sizes, reused_set, budget, disk, kv)
+                moon.append({"budget": budget, "disk": disk} | row)
+                print(json.dumps(moon[-1]), file=sys.stderr)
+        report["mooncake"] = {"requests": len(trace), "reused_set_tokens": reused_set, "rows": moon}
+    for name in ("synthetic", "mooncake"):
+        found = report.get(name, {}).get("rows", [])
+        if found:
+            report[f"min_utility_over_lru_{name}"] = min(r["utility_over_lru"] or 0 for r in found)
+            report[f"max_utility_over_lru_{name}"] = max(r["utility_over_lru"] or 0 for r in found)
+            report[f"min_utility_of_belady_{name}"] = min(r["utility_of_belady"] for r in found)
+    write_json(args.out, report)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
