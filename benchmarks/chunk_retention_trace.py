@@ -13,7 +13,7 @@ Arms, all with the default admission (`chunk_admission: "adaptive"`):
 - `belady_int8`: offline with every piece int8 (the budget over the int8 ratio): what a policy
   that compresses every piece could at best keep.
 
-    python -m benchmarks.chunk_retention_trace   # benchmarks/results/chunk_retention_trace.json
+    python -m benchmarks.chunk_retention_trace   # benchmarks/results/chunk_retention_trace.json, .png
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from benchmarks.chunk_admission_trace import (
     synthetic_trace,
 )
 from benchmarks.shared_data import CONVERSATION_TRACE
-from benchmarks.smollm2_server import write_json
+from benchmarks.smollm2_server import report_header, write_json
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
@@ -153,9 +153,41 @@ def measure(
     row["belady"] = round(belady / reusable, 4)
     row["belady_int8"] = round(belady_int8 / reusable, 4)
     for arm in ARMS:
-        row[f"{arm}_of_belady"] = round(row[arm] / row["belady"], 4)
+        row[f"{arm}_of_belady"] = round(row[arm] / row["belady"], 4) if row["belady"] else None
     row["utility_over_lru"] = round(row["utility"] / row["lru"], 4) if row["lru"] else None
     return row
+
+
+def mix_key(row: dict[str, Any]) -> str:
+    """A row's name in `by_mix` / `by_budget`: "skew/one-off/budget" (synthetic) or "budget",
+    with "+disk" when a disk tier sits below."""
+    name = "/".join(f"{row[k]:g}" for k in ("skew", "one_off", "budget") if k in row)
+    return name + ("+disk" if row["disk"] else "")
+
+
+def plot(report: dict[str, Any], out: Path) -> Path:
+    """Reused tokens per arm as a share of Belady's (dense pieces): every synthetic mix, sorted
+    by LRU's share, and the Mooncake trace's budgets."""
+    import matplotlib.pyplot as plt
+
+    sets = [name for name in ("synthetic", "mooncake") if name in report]
+    figure, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    for axis, name in zip(axes[0], sets, strict=True):
+        rows = sorted(report[name]["rows"], key=lambda row: row["lru_of_belady"])
+        for colour, arm in enumerate(ARMS):
+            shares = [row[f"{arm}_of_belady"] for row in rows]
+            axis.plot(shares, "o-", color=f"C{colour}", label=f"retention: {arm}")
+        best = [row["belady_int8"] / row["belady"] for row in rows]
+        axis.plot(best, ":", color="grey", label="Belady, every piece int8")
+        axis.axhline(0.9, linestyle="--", color="lightgrey")
+        axis.set_xticks(range(len(rows)), [mix_key(row) for row in rows], rotation=90, fontsize=6)
+        axis.set(ylabel="reused tokens / Belady's (dense)", title=name)
+        axis.legend(fontsize=7)
+    figure.suptitle(report["command"], fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
 
 
 def main() -> None:
@@ -173,7 +205,11 @@ def main() -> None:
     parser.add_argument("--trace-budgets", default="0.1,0.25")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "chunk_retention_trace.json")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
     args = parser.parse_args()
+    if args.plot_only:
+        print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
+        return
     kv = args.kv_bytes_per_token
     rows: list[dict[str, Any]] = []
     disks = [0.0, args.disk_budget] if args.disk_budget else [0.0]
@@ -191,13 +227,20 @@ def main() -> None:
                     )
                     print(json.dumps(rows[-1]), file=sys.stderr)
     report: dict[str, Any] = {
-        "command": "python -m benchmarks.chunk_retention_trace " + " ".join(sys.argv[1:]),
+        **report_header("benchmarks.chunk_retention_trace"),
         "kv_bytes_per_token": kv,
         "max_kv_error": MAX_ERROR,
         "int8_size_ratio": PRIOR_SIZE_RATIO["int8"],
         "metric": "tokens of pieces found stored / tokens of pieces seen before, after the "
         "first fifth of the requests",
-        "synthetic": {"requests": args.requests, "popular": args.popular, "rows": rows},
+        "synthetic": {
+            "requests": args.requests,
+            "popular": args.popular,
+            "per_request": args.per_request,
+            "mixes": len(rows),
+            "rows": rows,
+            "by_mix": {mix_key(row): row for row in rows},
+        },
     }
     path = args.trace or CONVERSATION_TRACE
     if path.exists():
@@ -213,7 +256,12 @@ def main() -> None:
                 row = measure(trace, sizes, reused_set, budget, disk, kv)
                 moon.append({"budget": budget, "disk": disk} | row)
                 print(json.dumps(moon[-1]), file=sys.stderr)
-        report["mooncake"] = {"requests": len(trace), "reused_set_tokens": reused_set, "rows": moon}
+        report["mooncake"] = {
+            "requests": len(trace),
+            "reused_set_tokens": reused_set,
+            "rows": moon,
+            "by_budget": {mix_key(row): row for row in moon},
+        }
     for name in ("synthetic", "mooncake"):
         found = report.get(name, {}).get("rows", [])
         if found:
@@ -221,7 +269,7 @@ def main() -> None:
             report[f"max_utility_over_lru_{name}"] = max(r["utility_over_lru"] or 0 for r in found)
             report[f"min_utility_of_belady_{name}"] = min(r["utility_of_belady"] for r in found)
     write_json(args.out, report)
-    print(args.out)
+    print(args.out, plot(report, args.out.with_suffix(".png")))
 
 
 if __name__ == "__main__":

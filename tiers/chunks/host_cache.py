@@ -42,6 +42,13 @@ class HasNbytes(Protocol):
 V = TypeVar("V", bound=HasNbytes)
 
 
+# The retention weighs the least recently used entries only, as many as this (Redis's sampled
+# eviction, with a wider sample): a chunk read lately is worth keeping whatever its form, and
+# the scan then costs the same on the scheduler thread whether host memory holds a hundred
+# chunks or a hundred thousand.
+RETENTION_WINDOW = 128
+
+
 class HostCacheFullError(RuntimeError):
     """The entry does not fit even after evicting every unpinned entry."""
 
@@ -245,13 +252,16 @@ class HostChunkCache(Generic[V]):
             return evicted
 
     def _held_locked(self) -> list[Held]:
-        """What the retention may give up: every unpinned entry, least recently used first."""
+        """What the retention may give up: the `RETENTION_WINDOW` least recently used unpinned
+        entries, in that order."""
         assert self.retention is not None
-        return [
-            self.retention.held(key, value)
-            for key, value in self._entries.items()
-            if not self._pinned_locked(key)
-        ]
+        held: list[Held] = []
+        for key, value in self._entries.items():
+            if len(held) == RETENTION_WINDOW:
+                break
+            if not self._pinned_locked(key):
+                held.append(self.retention.held(key, value))
+        return held
 
     def _make_room_locked(self, nbytes: int) -> None:
         """Apply the retention's cheapest moves until `nbytes` fit in the free bytes (or nothing
