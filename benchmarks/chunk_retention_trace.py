@@ -211,6 +211,7 @@ def main() -> None:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
         return
     kv = args.kv_bytes_per_token
+    header = report_header("benchmarks.chunk_retention_trace")  # the commit it starts at
     rows: list[dict[str, Any]] = []
     disks = [0.0, args.disk_budget] if args.disk_budget else [0.0]
     for skew in _floats(args.skews):
@@ -227,7 +228,7 @@ def main() -> None:
                     )
                     print(json.dumps(rows[-1]), file=sys.stderr)
     report: dict[str, Any] = {
-        **report_header("benchmarks.chunk_retention_trace"),
+        **header,
         "kv_bytes_per_token": kv,
         "max_kv_error": MAX_ERROR,
         "int8_size_ratio": PRIOR_SIZE_RATIO["int8"],
