@@ -124,7 +124,15 @@ def _fusion_service(
         checked=settings.fusion_target_agreement is not None and settings.fusion_shadow_rate > 0,
     )
     retention: UtilityRetention[HostChunk] | None = None
-    if settings.chunk_retention == "utility":
+    if settings.chunk_retention == "utility" and tp.size > 1:
+        # Each rank would measure its own shard's compression errors and times, and could keep
+        # a chunk another rank dropped: the ranks' host memories must stay alike.
+        logger.warning(
+            "hicache_ext: chunk_retention utility needs --tp-size 1; host memory "
+            "drops the least recently used under --tp-size %d",
+            tp.size,
+        )
+    elif settings.chunk_retention == "utility":
         retention = UtilityRetention(
             settings.chunk_retention_max_kv_error,
             RetentionCosts(

@@ -12,6 +12,7 @@ import pytest
 from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
+from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
 from sglang_hicache_ext.tiers.chunks.host_cache import HostChunkCache, NotAdmittedError
 from sglang_hicache_ext.tiers.chunks.retention import UtilityRetention
 from sglang_hicache_ext.tiers.chunks.stored_forms import (
@@ -178,3 +179,23 @@ def test_uses_decay_and_out_of_range_floors_are_refused() -> None:
     assert retention.frequency("a") == pytest.approx(1.5)
     with pytest.raises(ValueError, match="max_error"):
         UtilityRetention(1.0)
+
+
+def test_a_compression_that_fails_is_counted_and_room_is_made_by_dropping(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    host = _host(2.5, max_error=0.01)
+    assert host.retention is not None and host.retention.forms is not None
+    forms = host.retention.forms
+
+    class FailingForms(StoredChunkForms[HostValue]):
+        def compress(self, key: str, value: HostValue, to: str) -> tuple[HostValue, float]:
+            raise CorruptChunkError(f"{key[:12]}: layer 0 fails its checksum")
+
+    host.retention.bind(FailingForms(lambda blob: blob, forms.below))
+    for seed in range(3):
+        host.put(_key(seed), make_chunk(seed))
+    stats = host.stats()
+    assert stats.compression_refused >= 1 and stats.compressed_to_int8 == 0
+    assert (stats.entries, stats.evictions) == (2, 1)
+    assert "not compressed to int8" in caplog.text

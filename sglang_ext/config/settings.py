@@ -216,7 +216,8 @@ class ExtensionSettings(FusionSettings):
         "a chunk one step (dense -> int8 -> int4, within chunk_retention_max_kv_error) or "
         "dropping it from host memory (a demotion where the disk or shared tier keeps it); the "
         "chunk disk tier's budget then evicts the least reused first. lru: the least recently "
-        "used are dropped, nothing is compressed (the behaviour before utility retention).",
+        "used are dropped, nothing is compressed (the behaviour before utility retention, and "
+        "what a server with --tp-size above 1 does).",
     )
     chunk_retention_max_kv_error: float = Field(
         0.01,

@@ -30,6 +30,7 @@ Nothing here imports SGLang or fusion: the owner of host memory says what a stor
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -40,6 +41,9 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 import cachetools
 
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
+from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
+
+logger = logging.getLogger(__name__)
 
 DENSE = "none"
 # The next, smaller form of each form host memory may hold (the codec that makes it).
@@ -188,7 +192,7 @@ class UtilityRetention(Generic[V]):
         self.counts: Counter[str] = Counter()
         self._errors: dict[str, float] = {}  # accumulated KV error of each compressed chunk
         self._first_bytes: dict[str, int] = {}  # bytes when stored: what a lower tier reads
-        self._refused: set[tuple[str, str]] = set()  # (key, form) over the floor once
+        self._refused: dict[str, set[str]] = {}  # key -> the forms it failed the floor in
 
     def bind(self, forms: ChunkForms[V]) -> None:
         self.forms = forms
@@ -205,7 +209,7 @@ class UtilityRetention(Generic[V]):
         self.uses.record(key)
         self._first_bytes[key] = self._forms().nbytes(value)
         self._errors.pop(key, None)
-        self._refused = {pair for pair in self._refused if pair[0] != key}
+        self._refused.pop(key, None)
 
     def read(self, key: str) -> None:
         self.uses.record(key)
@@ -214,7 +218,7 @@ class UtilityRetention(Generic[V]):
         """`key` left host memory."""
         self._errors.pop(key, None)
         self._first_bytes.pop(key, None)
-        self._refused = {pair for pair in self._refused if pair[0] != key}
+        self._refused.pop(key, None)
 
     def frequency(self, key: str) -> float:
         """Expected reuse of `key`: its decayed uses, or its sights in the admission's sketch
@@ -268,7 +272,7 @@ class UtilityRetention(Generic[V]):
         drop_cost = frequency * (worth_now - dropped) / max(1, chunk.nbytes)
         moves = [Move(chunk.key, None, chunk.nbytes, drop_cost)]
         to = NEXT_FORM.get(chunk.form)
-        if to is not None and (chunk.key, to) not in self._refused:
+        if to is not None and to not in self._refused.get(chunk.key, ()):
             error = self._errors.get(chunk.key, 0.0) + self.costs.step_error[to]
             smaller = int(chunk.nbytes * self.costs.size_ratio[to])
             if error <= self.max_error and smaller < chunk.nbytes:
@@ -299,8 +303,11 @@ class UtilityRetention(Generic[V]):
         began = time.perf_counter()
         try:
             smaller, step_error = forms.compress(key, value, to)
-        except (ValueError, RuntimeError):
-            self._refused.add((key, to))
+        except (CorruptChunkError, ValueError, RuntimeError, OSError) as err:
+            logger.error(
+                "hicache_ext retention: chunk %s not compressed to %s: %s", key[:12], to, err
+            )
+            self._refused.setdefault(key, set()).add(to)
             self.counts["compression_refused"] += 1
             return None
         spent = time.perf_counter() - began
@@ -309,7 +316,7 @@ class UtilityRetention(Generic[V]):
         self.costs.note_compression(to, after / max(1, before), step_error, spent / 2, after)
         error = self._errors.get(key, 0.0) + step_error
         if error > self.max_error or after >= before:
-            self._refused.add((key, to))
+            self._refused.setdefault(key, set()).add(to)
             self.counts["compression_refused"] += 1
             return None
         self._errors[key] = error
