@@ -1,26 +1,24 @@
 """How much of the reusable chunk tokens host memory keeps under pressure, by admission policy.
 
-Traces of requests, each a list of document pieces (the pieces `auto_chunks` keeps):
-- synthetic: `--per-request` pieces a request, a share (`--one-offs`) seen once only, the rest
-  drawn from `--popular` documents with Zipf popularity (`--skews`); 100-300 tokens a piece;
-- the Mooncake conversation trace (`../shared/data/traces/`) mapped to documents: each 512-token
-  block of a request is a piece (its last one shorter), so a conversation's earlier turns and the
-  shared system prompt are the documents seen again.
+Traces of requests, each a list of document pieces (the pieces `auto_chunks` keeps;
+`piece_traces.py`): synthetic (`--per-request` pieces a request, a share `--one-offs` seen once
+only, the rest from `--popular` documents with Zipf popularity `--skews`) and the Mooncake
+conversation trace mapped to documents (each 512-token block a piece).
 
 Per policy and host budget (`--budgets`, times the popular set's tokens; for the Mooncake trace
 times the tokens of the blocks seen more than once), over the requests after the first fifth
 (warm-up): tokens of pieces found stored / tokens of pieces seen before, which is what any policy
 could at best reuse. The policies run the shipped code: `HostChunkCache` with and without its
 `FrequencyAdmission` (sized by the settings' default), every sight recorded as the server's
-`AutoCapture` records it, every missed piece offered as it offers one.
+`AutoCapture` records it, every missed piece offered as it offers one; host memory drops the
+least recently used (`chunk_retention: "lru"`; `chunk_retention_trace.py` weighs retention by
+utility under the default admission).
 
 - `lru`: `chunk_admission: "lru"`, every missed piece stored, the least recently used evicted;
 - `frequency`: `chunk_admission: "frequency"`, TinyLFU alone;
 - `adaptive`: `chunk_admission: "adaptive"` (the default), frequency or recency, whichever of
   the two key-only shadows of host memory would have served more;
-- `belady`: offline, with the future known: the piece whose next use is furthest (never: first)
-  is evicted, the missed piece itself included. With unequal sizes it is the reference, not a
-  proven optimum (the exact problem is NP-hard).
+- `belady`: offline, with the future known (`piece_traces.run_belady`).
 
 With `--disk-budget X` a disk tier below host memory of X times the same set: every piece host
 memory takes is also written to disk (write-through), the disk evicts by recency, and a piece
@@ -34,24 +32,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import heapq
 import json
-import random
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.piece_traces import (
+    Trace,
+    floats,
+    mooncake_trace,
+    reusable_tokens,
+    reused_set_tokens,
+    run_belady,
+    synthetic_trace,
+)
 from benchmarks.shared_data import CONVERSATION_TRACE
 from benchmarks.smollm2_server import write_json
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
 
-Trace = list[list[str]]
 RESULTS = Path(__file__).resolve().parent / "results"
-BLOCK_TOKENS = 512  # the Mooncake trace's block size
 SKETCH_ENTRIES = ExtensionSettings.model_fields["chunk_admission_sketch_entries"].default
 POLICIES = ("lru", "frequency", "adaptive")  # the values of the setting chunk_admission
 
@@ -59,50 +61,6 @@ POLICIES = ("lru", "frequency", "adaptive")  # the values of the setting chunk_a
 @dataclass(frozen=True)
 class Piece:
     nbytes: int  # tokens here: the budgets are in tokens
-
-
-def synthetic_trace(
-    requests: int, per_request: int, popular: int, skew: float, one_off: float, seed: int
-) -> tuple[Trace, dict[str, int]]:
-    rng = random.Random(seed)
-    weights = [1 / (rank + 1) ** skew for rank in range(popular)]
-    sizes = {f"doc{i}": rng.randint(100, 300) for i in range(popular)}
-    trace: Trace = []
-    for r in range(requests):
-        pieces: list[str] = []
-        for p in range(per_request):
-            if rng.random() < one_off:
-                key = f"once{r}-{p}"
-                sizes[key] = rng.randint(100, 300)
-            else:
-                key = f"doc{rng.choices(range(popular), weights)[0]}"
-            if key not in pieces:
-                pieces.append(key)
-        trace.append(pieces)
-    return trace, sizes
-
-
-def mooncake_trace(path: Path, limit: int | None) -> tuple[Trace, dict[str, int]]:
-    trace: Trace = []
-    sizes: dict[str, int] = {}
-    with path.open() as lines:
-        for number, line in enumerate(lines):
-            if limit is not None and number >= limit:
-                break
-            record = json.loads(line)
-            blocks = [str(block) for block in record["hash_ids"]]
-            for index, block in enumerate(blocks):
-                last = index == len(blocks) - 1
-                tail = record["input_length"] - BLOCK_TOKENS * (len(blocks) - 1)
-                sizes.setdefault(block, max(1, tail) if last else BLOCK_TOKENS)
-            trace.append(list(dict.fromkeys(blocks)))
-    return trace, sizes
-
-
-def _sights(trace: Trace, start: int) -> Iterator[tuple[bool, str]]:
-    for index, pieces in enumerate(trace):
-        for key in pieces:
-            yield index >= start, key
 
 
 def run_policy(
@@ -156,46 +114,6 @@ def run_policy(
                 with contextlib.suppress(HostCacheFullError):
                     disk.put(key, piece)
     return reused
-
-
-def run_belady(trace: Trace, sizes: dict[str, int], budget: int, start: int) -> int:
-    flat = list(_sights(trace, start))
-    next_use: list[float] = [float("inf")] * len(flat)
-    last: dict[str, int] = {}
-    for position in range(len(flat) - 1, -1, -1):
-        key = flat[position][1]
-        next_use[position] = last.get(key, float("inf"))
-        last[key] = position
-    held: dict[str, float] = {}  # key -> its next use
-    heap: list[tuple[float, str]] = []  # (-next use, key), stale entries skipped
-    used = reused = 0
-    for position, (counted, key) in enumerate(flat):
-        upcoming = next_use[position]
-        if key in held:
-            reused += sizes[key] if counted else 0
-        else:
-            if upcoming == float("inf") or sizes[key] > budget:
-                continue  # never used again: storing it cannot help
-            used += sizes[key]
-        held[key] = upcoming
-        heapq.heappush(heap, (-upcoming, key))
-        while used > budget:
-            far, victim = heapq.heappop(heap)
-            if held.get(victim) != -far:
-                continue
-            del held[victim]
-            used -= sizes[victim]
-    return reused
-
-
-def reusable_tokens(trace: Trace, sizes: dict[str, int], start: int) -> int:
-    seen: set[str] = set()
-    total = 0
-    for counted, key in _sights(trace, start):
-        if key in seen and counted:
-            total += sizes[key]
-        seen.add(key)
-    return total
 
 
 def measure(
@@ -286,10 +204,6 @@ def restart_cost(
     }
 
 
-def _floats(text: str) -> list[float]:
-    return [float(item) for item in text.split(",")]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
@@ -315,13 +229,13 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     disks = [0.0, args.disk_budget] if args.disk_budget else [0.0]
-    for skew in _floats(args.skews):
-        for one_off in _floats(args.one_offs):
+    for skew in floats(args.skews):
+        for one_off in floats(args.one_offs):
             trace, sizes = synthetic_trace(
                 args.requests, args.per_request, args.popular, skew, one_off, args.seed
             )
             popular_tokens = sum(sizes[f"doc{i}"] for i in range(args.popular))
-            for budget in _floats(args.budgets):
+            for budget in floats(args.budgets):
                 for disk in disks:
                     shares = measure(trace, sizes, popular_tokens, budget, disk)
                     rows.append(
@@ -331,7 +245,7 @@ def main() -> None:
                     print(json.dumps(rows[-1]))
     restarts: list[dict[str, Any]] = []
     if args.restart_mix:
-        skew, one_off, budget = _floats(args.restart_mix)
+        skew, one_off, budget = floats(args.restart_mix)
         trace, sizes = synthetic_trace(
             args.requests, args.per_request, args.popular, skew, one_off, args.seed
         )
@@ -344,13 +258,9 @@ def main() -> None:
             print(json.dumps(restarts[-1]))
     path = args.trace or CONVERSATION_TRACE
     trace, sizes = mooncake_trace(path, args.trace_requests)
-    seen: dict[str, int] = {}
-    for pieces in trace:
-        for key in pieces:
-            seen[key] = seen.get(key, 0) + 1
-    reused_set = sum(sizes[key] for key, count in seen.items() if count > 1)
+    reused_set = reused_set_tokens(trace, sizes)
     mooncake_rows: list[dict[str, Any]] = []
-    for budget in _floats(args.trace_budgets):
+    for budget in floats(args.trace_budgets):
         for disk in disks:
             shares = measure(trace, sizes, reused_set, budget, disk * budget)
             mooncake_rows.append(
@@ -373,7 +283,7 @@ def main() -> None:
         "restart": restarts,
         "mooncake": {
             "requests": len(trace),
-            "distinct_blocks": len(seen),
+            "distinct_blocks": len(sizes),
             "reused_set_tokens": reused_set,
             "rows": mooncake_rows,
         },

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.chunk_admission_trace import (
-    RESULTS,
-    SKETCH_ENTRIES,
+from benchmarks.chunk_admission_trace import RESULTS, SKETCH_ENTRIES
+from benchmarks.piece_traces import (
     Trace,
-    _floats,
+    floats,
     mooncake_trace,
     reusable_tokens,
+    reused_set_tokens,
     run_belady,
     synthetic_trace,
 )
@@ -214,13 +214,13 @@ def main() -> None:
     header = report_header("benchmarks.chunk_retention_trace")  # the commit it starts at
     rows: list[dict[str, Any]] = []
     disks = [0.0, args.disk_budget] if args.disk_budget else [0.0]
-    for skew in _floats(args.skews):
-        for one_off in _floats(args.one_offs):
+    for skew in floats(args.skews):
+        for one_off in floats(args.one_offs):
             trace, sizes = synthetic_trace(
                 args.requests, args.per_request, args.popular, skew, one_off, args.seed
             )
             popular_tokens = sum(sizes[f"doc{i}"] for i in range(args.popular))
-            for budget in _floats(args.budgets):
+            for budget in floats(args.budgets):
                 for disk in disks:
                     row = measure(trace, sizes, popular_tokens, budget, disk, kv)
                     rows.append(
@@ -246,13 +246,9 @@ def main() -> None:
     path = args.trace or CONVERSATION_TRACE
     if path.exists():
         trace, sizes = mooncake_trace(path, args.trace_requests)
-        seen: dict[str, int] = {}
-        for pieces in trace:
-            for key in pieces:
-                seen[key] = seen.get(key, 0) + 1
-        reused_set = sum(sizes[key] for key, count in seen.items() if count > 1)
+        reused_set = reused_set_tokens(trace, sizes)
         moon = []
-        for budget in _floats(args.trace_budgets):
+        for budget in floats(args.trace_budgets):
             for disk in (0.0, 2 * budget):
                 row = measure(trace, sizes, reused_set, budget, disk, kv)
                 moon.append({"budget": budget, "disk": disk} | row)

@@ -1,0 +1,121 @@
+"""Traces of document pieces for the host-memory benchmarks, and the offline optimum over them.
+
+- synthetic: `per_request` pieces a request, a share (`one_off`) seen once only, the rest drawn
+  from `popular` documents with Zipf popularity (`skew`); 100-300 tokens a piece;
+- the Mooncake conversation trace (`../shared/data/traces/`) mapped to documents: each 512-token
+  block of a request is a piece (its last one shorter), so a conversation's earlier turns and the
+  shared system prompt are the documents seen again.
+
+`reusable_tokens` is what any policy could at best reuse (tokens of pieces seen before);
+`run_belady` what the offline rule keeps: the piece whose next use is furthest (never: first) is
+evicted, the missed piece itself included. With unequal sizes it is the reference, not a proven
+optimum (the exact problem is NP-hard).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+Trace = list[list[str]]
+BLOCK_TOKENS = 512  # the Mooncake trace's block size
+
+
+def synthetic_trace(
+    requests: int, per_request: int, popular: int, skew: float, one_off: float, seed: int
+) -> tuple[Trace, dict[str, int]]:
+    rng = random.Random(seed)
+    weights = [1 / (rank + 1) ** skew for rank in range(popular)]
+    sizes = {f"doc{i}": rng.randint(100, 300) for i in range(popular)}
+    trace: Trace = []
+    for r in range(requests):
+        pieces: list[str] = []
+        for p in range(per_request):
+            if rng.random() < one_off:
+                key = f"once{r}-{p}"
+                sizes[key] = rng.randint(100, 300)
+            else:
+                key = f"doc{rng.choices(range(popular), weights)[0]}"
+            if key not in pieces:
+                pieces.append(key)
+        trace.append(pieces)
+    return trace, sizes
+
+
+def mooncake_trace(path: Path, limit: int | None) -> tuple[Trace, dict[str, int]]:
+    trace: Trace = []
+    sizes: dict[str, int] = {}
+    with path.open() as lines:
+        for number, line in enumerate(lines):
+            if limit is not None and number >= limit:
+                break
+            record = json.loads(line)
+            blocks = [str(block) for block in record["hash_ids"]]
+            for index, block in enumerate(blocks):
+                last = index == len(blocks) - 1
+                tail = record["input_length"] - BLOCK_TOKENS * (len(blocks) - 1)
+                sizes.setdefault(block, max(1, tail) if last else BLOCK_TOKENS)
+            trace.append(list(dict.fromkeys(blocks)))
+    return trace, sizes
+
+
+def reused_set_tokens(trace: Trace, sizes: dict[str, int]) -> int:
+    """Tokens of the pieces seen more than once: what the Mooncake budgets are measured in."""
+    seen: dict[str, int] = {}
+    for pieces in trace:
+        for key in pieces:
+            seen[key] = seen.get(key, 0) + 1
+    return sum(sizes[key] for key, count in seen.items() if count > 1)
+
+
+def _sights(trace: Trace, start: int) -> Iterator[tuple[bool, str]]:
+    for index, pieces in enumerate(trace):
+        for key in pieces:
+            yield index >= start, key
+
+
+def run_belady(trace: Trace, sizes: dict[str, int], budget: int, start: int) -> int:
+    flat = list(_sights(trace, start))
+    next_use: list[float] = [float("inf")] * len(flat)
+    last: dict[str, int] = {}
+    for position in range(len(flat) - 1, -1, -1):
+        key = flat[position][1]
+        next_use[position] = last.get(key, float("inf"))
+        last[key] = position
+    held: dict[str, float] = {}  # key -> its next use
+    heap: list[tuple[float, str]] = []  # (-next use, key), stale entries skipped
+    used = reused = 0
+    for position, (counted, key) in enumerate(flat):
+        upcoming = next_use[position]
+        if key in held:
+            reused += sizes[key] if counted else 0
+        else:
+            if upcoming == float("inf") or sizes[key] > budget:
+                continue  # never used again: storing it cannot help
+            used += sizes[key]
+        held[key] = upcoming
+        heapq.heappush(heap, (-upcoming, key))
+        while used > budget:
+            far, victim = heapq.heappop(heap)
+            if held.get(victim) != -far:
+                continue
+            del held[victim]
+            used -= sizes[victim]
+    return reused
+
+
+def reusable_tokens(trace: Trace, sizes: dict[str, int], start: int) -> int:
+    seen: set[str] = set()
+    total = 0
+    for counted, key in _sights(trace, start):
+        if key in seen and counted:
+            total += sizes[key]
+        seen.add(key)
+    return total
+
+
+def floats(text: str) -> list[float]:
+    return [float(item) for item in text.split(",")]
