@@ -30,7 +30,6 @@ admission). Belady then holds host + disk budget as one.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -45,7 +44,9 @@ from benchmarks.piece_traces import (
     reusable_tokens,
     reused_set_tokens,
     run_belady,
+    synthetic_mixes,
     synthetic_trace,
+    trace_arguments,
 )
 from benchmarks.shared_data import CONVERSATION_TRACE
 from benchmarks.smollm2_server import write_json
@@ -205,23 +206,11 @@ def restart_cost(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--per-request", type=int, default=8)
-    parser.add_argument("--popular", type=int, default=40)
-    parser.add_argument("--skews", default="0.8,1.0,1.2")
-    parser.add_argument("--one-offs", default="0.5,0.8,0.95")
-    parser.add_argument("--budgets", default="1.0,1.5,2.0")
-    parser.add_argument("--disk-budget", type=float, default=2.0, help="0: no disk rows")
-    parser.add_argument("--trace", type=Path, default=None, help="the Mooncake trace's path")
-    parser.add_argument("--trace-requests", type=int, default=None)
-    parser.add_argument("--trace-budgets", default="0.1,0.25,0.5,1.0")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = trace_arguments(__doc__.split("\n")[0], "1.0,1.5,2.0", "0.1,0.25,0.5,1.0")
     parser.add_argument(
         "--restart-mix", default="1.0,0.8,1.5", help="skew,one-off,budget of the restart rows"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "chunk_admission_trace.json")
-    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
     args = parser.parse_args()
     if args.plot_only:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
@@ -229,20 +218,10 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     disks = [0.0, args.disk_budget] if args.disk_budget else [0.0]
-    for skew in floats(args.skews):
-        for one_off in floats(args.one_offs):
-            trace, sizes = synthetic_trace(
-                args.requests, args.per_request, args.popular, skew, one_off, args.seed
-            )
-            popular_tokens = sum(sizes[f"doc{i}"] for i in range(args.popular))
-            for budget in floats(args.budgets):
-                for disk in disks:
-                    shares = measure(trace, sizes, popular_tokens, budget, disk)
-                    rows.append(
-                        {"skew": skew, "one_off": one_off, "budget": budget, "disk": disk}
-                        | {name: round(value, 4) for name, value in shares.items()}
-                    )
-                    print(json.dumps(rows[-1]))
+    for mix in synthetic_mixes(args):
+        shares = measure(mix.trace, mix.sizes, mix.popular_tokens, mix.budget, mix.disk)
+        rows.append(mix.key() | {name: round(value, 4) for name, value in shares.items()})
+        print(json.dumps(rows[-1]))
     restarts: list[dict[str, Any]] = []
     if args.restart_mix:
         skew, one_off, budget = floats(args.restart_mix)

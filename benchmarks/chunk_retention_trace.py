@@ -18,7 +18,6 @@ Arms, all with the default admission (`chunk_admission: "adaptive"`):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -34,7 +33,8 @@ from benchmarks.piece_traces import (
     reusable_tokens,
     reused_set_tokens,
     run_belady,
-    synthetic_trace,
+    synthetic_mixes,
+    trace_arguments,
 )
 from benchmarks.shared_data import CONVERSATION_TRACE
 from benchmarks.smollm2_server import report_header, write_json
@@ -191,21 +191,9 @@ def plot(report: dict[str, Any], out: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--per-request", type=int, default=8)
-    parser.add_argument("--popular", type=int, default=40)
-    parser.add_argument("--skews", default="0.8,1.0,1.2")
-    parser.add_argument("--one-offs", default="0.5,0.8,0.95")
-    parser.add_argument("--budgets", default="0.5,1.0,1.5")
-    parser.add_argument("--disk-budget", type=float, default=2.0, help="0: no disk rows")
+    parser = trace_arguments(__doc__.split("\n")[0], "0.25,0.5", "0.1,0.25")
     parser.add_argument("--kv-bytes-per-token", type=int, default=128 * 1024)
-    parser.add_argument("--trace", type=Path, default=None, help="the Mooncake trace's path")
-    parser.add_argument("--trace-requests", type=int, default=3000)
-    parser.add_argument("--trace-budgets", default="0.1,0.25")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "chunk_retention_trace.json")
-    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
     args = parser.parse_args()
     if args.plot_only:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
@@ -213,20 +201,10 @@ def main() -> None:
     kv = args.kv_bytes_per_token
     header = report_header("benchmarks.chunk_retention_trace")  # the commit it starts at
     rows: list[dict[str, Any]] = []
-    disks = [0.0, args.disk_budget] if args.disk_budget else [0.0]
-    for skew in floats(args.skews):
-        for one_off in floats(args.one_offs):
-            trace, sizes = synthetic_trace(
-                args.requests, args.per_request, args.popular, skew, one_off, args.seed
-            )
-            popular_tokens = sum(sizes[f"doc{i}"] for i in range(args.popular))
-            for budget in floats(args.budgets):
-                for disk in disks:
-                    row = measure(trace, sizes, popular_tokens, budget, disk, kv)
-                    rows.append(
-                        {"skew": skew, "one_off": one_off, "budget": budget, "disk": disk} | row
-                    )
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+    for mix in synthetic_mixes(args):
+        row = measure(mix.trace, mix.sizes, mix.popular_tokens, mix.budget, mix.disk, kv)
+        rows.append(mix.key() | row)
+        print(json.dumps(rows[-1]), file=sys.stderr)
     report: dict[str, Any] = {
         **header,
         "kv_bytes_per_token": kv,

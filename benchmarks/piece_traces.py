@@ -14,11 +14,13 @@ optimum (the exact problem is NP-hard).
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 Trace = list[list[str]]
 BLOCK_TOKENS = 512  # the Mooncake trace's block size
@@ -119,3 +121,55 @@ def reusable_tokens(trace: Trace, sizes: dict[str, int], start: int) -> int:
 
 def floats(text: str) -> list[float]:
     return [float(item) for item in text.split(",")]
+
+
+def trace_arguments(description: str, budgets: str, trace_budgets: str) -> argparse.ArgumentParser:
+    """The options every trace benchmark takes: the synthetic mixes, the budgets (times the
+    popular set; the Mooncake ones times its reused set), the disk tier and the Mooncake trace."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--per-request", type=int, default=8)
+    parser.add_argument("--popular", type=int, default=40)
+    parser.add_argument("--skews", default="0.8,1.0,1.2")
+    parser.add_argument("--one-offs", default="0.5,0.8,0.95")
+    parser.add_argument("--budgets", default=budgets)
+    parser.add_argument("--disk-budget", type=float, default=2.0, help="0: no disk rows")
+    parser.add_argument("--trace", type=Path, default=None, help="the Mooncake trace's path")
+    parser.add_argument("--trace-requests", type=int, default=None)
+    parser.add_argument("--trace-budgets", default=trace_budgets)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
+    return parser
+
+
+class Mix(NamedTuple):
+    skew: float
+    one_off: float
+    budget: float
+    disk: float
+    trace: Trace
+    sizes: dict[str, int]
+    popular_tokens: int
+
+    def key(self) -> dict[str, float]:
+        return {
+            "skew": self.skew,
+            "one_off": self.one_off,
+            "budget": self.budget,
+            "disk": self.disk,
+        }
+
+
+def synthetic_mixes(args: argparse.Namespace) -> Iterator[Mix]:
+    """Every (skew, one-off share, budget, disk) of `trace_arguments`' options, one trace per
+    (skew, one-off share)."""
+    disks = [0.0, args.disk_budget] if args.disk_budget else [0.0]
+    for skew in floats(args.skews):
+        for one_off in floats(args.one_offs):
+            trace, sizes = synthetic_trace(
+                args.requests, args.per_request, args.popular, skew, one_off, args.seed
+            )
+            popular_tokens = sum(sizes[f"doc{i}"] for i in range(args.popular))
+            for budget in floats(args.budgets):
+                for disk in disks:
+                    yield Mix(skew, one_off, budget, disk, trace, sizes, popular_tokens)
