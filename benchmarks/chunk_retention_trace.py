@@ -165,6 +165,29 @@ def mix_key(row: dict[str, Any]) -> str:
     return name + ("+disk" if row["disk"] else "")
 
 
+def summarise(report: dict[str, Any]) -> None:
+    """The ranges the docs quote, per trace and with or without a disk tier below:
+    utility / LRU and utility / Belady (dense)."""
+    for name in ("synthetic", "mooncake"):
+        for tier, with_disk in (("host", False), ("disk", True)):
+            found = [
+                r for r in report.get(name, {}).get("rows", []) if bool(r["disk"]) == with_disk
+            ]
+            if not found:
+                continue
+            over_lru = [r["utility_over_lru"] for r in found if r["utility_over_lru"] is not None]
+            of_belady = [
+                r["utility_of_belady"] for r in found if r["utility_of_belady"] is not None
+            ]
+            report[f"min_utility_over_lru_{tier}_{name}"] = min(over_lru)
+            report[f"max_utility_over_lru_{tier}_{name}"] = max(over_lru)
+            report[f"min_utility_of_belady_{tier}_{name}"] = min(of_belady)
+            report[f"max_utility_of_belady_{tier}_{name}"] = max(of_belady)
+    if "synthetic" in report:
+        rows = report["synthetic"]["rows"]
+        report["synthetic"]["host_only_mixes"] = sum(1 for r in rows if not r["disk"])
+
+
 def plot(report: dict[str, Any], out: Path) -> Path:
     """Reused tokens per arm as a share of Belady's (dense pieces): every synthetic mix, sorted
     by LRU's share, and the Mooncake trace's budgets."""
@@ -194,9 +217,15 @@ def main() -> None:
     parser = trace_arguments(__doc__.split("\n")[0], "0.25,0.5", "0.1,0.25")
     parser.add_argument("--kv-bytes-per-token", type=int, default=128 * 1024)
     parser.add_argument("--out", type=Path, default=RESULTS / "chunk_retention_trace.json")
+    parser.add_argument("--summary-only", action="store_true", help="redo --out's summary")
     args = parser.parse_args()
     if args.plot_only:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
+        return
+    if args.summary_only:
+        report = json.loads(args.out.read_text())
+        summarise(report)
+        write_json(args.out, report)
         return
     kv = args.kv_bytes_per_token
     header = report_header("benchmarks.chunk_retention_trace")  # the commit it starts at
@@ -237,12 +266,7 @@ def main() -> None:
             "rows": moon,
             "by_budget": {mix_key(row): row for row in moon},
         }
-    for name in ("synthetic", "mooncake"):
-        found = report.get(name, {}).get("rows", [])
-        if found:
-            report[f"min_utility_over_lru_{name}"] = min(r["utility_over_lru"] or 0 for r in found)
-            report[f"max_utility_over_lru_{name}"] = max(r["utility_over_lru"] or 0 for r in found)
-            report[f"min_utility_of_belady_{name}"] = min(r["utility_of_belady"] for r in found)
+    summarise(report)
     write_json(args.out, report)
     print(args.out, plot(report, args.out.with_suffix(".png")))
 
