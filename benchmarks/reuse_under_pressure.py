@@ -11,7 +11,9 @@ stay. One server per arm, one after the other, the same requests in the same ord
 prompt sent fused (the server's default ratio) and then with `{"fusion": false}` behind a
 system prompt of its own (a number first, so the fused request's prompt, in the prefix tree
 when it fell back to the normal prefill, is not reused), one request at a time, TTFT the first
-streamed token.
+streamed token (the only token asked for). `--fusion-off-in` names the arms that send the
+fusion-off requests (all by default): the normal prefill does not depend on the arm's host
+memory, so a long run may time it in one arm and halve the other's time.
 
 Per request: the tokens of its popular paragraphs seen before in the arm's run, and the
 document tokens its fused prefill matched to stored chunks (the fusion counters around it; a
@@ -98,6 +100,7 @@ def run_arm(
     questions: dict[str, str],
     tokens: dict[str, int],
     desc: str,
+    time_fusion_off: bool = True,
 ) -> list[dict[str, Any]]:
     import openai
 
@@ -107,11 +110,15 @@ def run_arm(
     for number, docs in enumerate(tqdm(draws, desc=desc, disable=None)):
         question = questions[docs[0]]
         before = fusion_counters(url)
-        fused = ask(client, "default", docs, question)
+        fused = ask(client, "default", docs, question, max_tokens=1)
         after = fusion_counters(url)
-        # Its own first line: the fused request's prompt, when it fell back to the normal
-        # prefill, is in the prefix tree, and the same prompt would be served from there.
-        off = ask(client, "default", docs, question, system=f"{number}. {SYSTEM}", fusion=False)
+        off_ttft_s = None
+        if time_fusion_off:
+            # Its own first line: the fused request's prompt, when it fell back to the normal
+            # prefill, is in the prefix tree, and the same prompt would be served from there.
+            system = f"{number}. {SYSTEM}"
+            off = ask(client, "default", docs, question, system, 1, fusion=False)
+            off_ttft_s = off.ttft_s
         rows.append(
             {
                 "popular_seen_tokens": sum(tokens[d] for d in docs if d in popular and d in seen),
@@ -119,7 +126,7 @@ def run_arm(
                 "chunk_tokens": after["chunk_tokens"] - before["chunk_tokens"],
                 "fused": after["fused_requests"] > before["fused_requests"],
                 "fused_ttft_s": fused.ttft_s,
-                "off_ttft_s": off.ttft_s,
+                "off_ttft_s": off_ttft_s,
                 "prompt_tokens": fused.prompt_tokens,
             }
         )
@@ -217,6 +224,9 @@ def main() -> int:
         default=None,
         help="fusion_min_matched_share of both arms (default: the server's)",
     )
+    parser.add_argument(
+        "--fusion-off-in", default=None, help="arms that time fusion off (default: all)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "reuse_under_pressure.json")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
     parser.add_argument(
@@ -245,8 +255,12 @@ def main() -> int:
     tokens = {d: len(tokenizer.encode(d, add_special_tokens=False)) for d in everything}
     popular_tokens = sum(tokens[d] for d in hot)
     budget_bytes = int(args.budget * popular_tokens * dense_bytes_per_token())
-    arms: dict[str, Any] = {}
-    for arm in args.arms.split(","):
+    arm_names = args.arms.split(",")
+    timing_arms = arm_names if args.fusion_off_in is None else args.fusion_off_in.split(",")
+    if not set(timing_arms) <= set(arm_names):
+        parser.error(f"--fusion-off-in {args.fusion_off_in!r}: not among --arms {args.arms!r}")
+    runs: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
+    for arm in arm_names:
         values = {
             "auto_chunks": True,
             "fusion_by_default": True,
@@ -257,9 +271,19 @@ def main() -> int:
             values["fusion_min_matched_share"] = args.min_matched_share
         env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(values)}
         with smollm2_server(f"pressure-{arm}", extra_args=FLAGS, env=env) as server:
-            rows = run_arm(server.url, draws, set(hot), questions, tokens, arm)
+            rows = run_arm(server.url, draws, set(hot), questions, tokens, arm, arm in timing_arms)
             info = requests.get(server.url + "/server_info", timeout=30).json()
-        arms[arm] = {"summary": summarise(rows, info), "rows": rows}
+        runs[arm] = rows, info
+    arms: dict[str, Any] = {}
+    for arm, (rows, info) in runs.items():
+        timed_in = arm if arm in timing_arms else timing_arms[0]
+        for row, timed in zip(rows, runs[timed_in][0], strict=True):
+            row["off_ttft_s"] = timed["off_ttft_s"]  # the same prompt's normal prefill
+        arms[arm] = {
+            "summary": summarise(rows, info),
+            "fusion_off_timed_in": timed_in,
+            "rows": rows,
+        }
     summary = {
         arm: {
             key: arms[arm]["summary"][key]

@@ -57,10 +57,11 @@ def ask(
     question: str,
     headers: dict[str, str] | None = None,
     system: str = SYSTEM,
+    max_tokens: int = 16,
     **custom: object,
 ) -> Answer:
     """One streamed chat request; the last event carries the usage. `headers`: e.g. the
-    router's routing key (`x-smg-routing-key`)."""
+    router's routing key (`x-smg-routing-key`); `custom`: the extension's request parameters."""
     body = "\n\n".join(f"Document {i + 1}. {doc}" for i, doc in enumerate(documents))
     began = time.perf_counter()
     stream = client.chat.completions.create(
@@ -69,7 +70,7 @@ def ask(
             {"role": "system", "content": system},
             {"role": "user", "content": f"{body}\n\nQuestion: {question}"},
         ],
-        max_tokens=16,
+        max_tokens=max_tokens,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},

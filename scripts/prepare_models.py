@@ -18,14 +18,17 @@ Usage: python scripts/prepare_models.py [smollm2] [tiny-llama] [tiny-qwen2] [qwe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
+import functools
 import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 # The folder layout is shared with the installed code, which finds models without importing this.
 from sglang_hicache_ext.evaluation.model_paths import (
@@ -169,15 +172,36 @@ def _build_qwen_coder(out: Path) -> None:
         _dequantise_gguf(gguf, out)
 
 
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """While transformers loads one GGUF file: parse it once and build gguf's tensor-name map
+    once per architecture and depth. transformers parses the whole file for the tokenizer, for
+    the config and for the weights (each parse ~11 s for SmolLM2's 49k-token vocabulary) and
+    rebuilds the name map for each of the model's ~400 modules (12 s); both look these up in
+    `gguf` when called, so a cached stand-in for the duration is seen by all three. The
+    readers are read-only memory maps; the weights saved are the same bytes (checked against
+    the uncached build)."""
+    import gguf
+
+    reader = functools.cache(gguf.GGUFReader)
+    tensor_names = functools.cache(gguf.get_tensor_name_map)
+    with (
+        mock.patch.object(gguf, "GGUFReader", reader),
+        mock.patch.object(gguf, "get_tensor_name_map", tensor_names),
+    ):
+        yield
+
+
 def _dequantise_gguf(gguf: Path, out: Path) -> None:
     """A plain fp32 HF folder from a GGUF file (SGLang does not load GGUF-quantised weights)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
-    )
+    with _gguf_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32
+        )
     config = loaded.config
     # save_pretrained refuses GGUF-loaded models; a fresh model with the dequantised weights is plain.
     if hasattr(config, "quantization_config"):
