@@ -117,7 +117,7 @@ def run_arm(
             # Its own first line: the fused request's prompt, when it fell back to the normal
             # prefill, is in the prefix tree, and the same prompt would be served from there.
             system = f"{number}. {SYSTEM}"
-            off = ask(client, "default", docs, question, system, 1, fusion=False)
+            off = ask(client, "default", docs, question, system=system, max_tokens=1, fusion=False)
             off_ttft_s = off.ttft_s
         rows.append(
             {

@@ -199,3 +199,29 @@ def test_a_compression_that_fails_is_counted_and_room_is_made_by_dropping(
     assert stats.compression_refused >= 1 and stats.compressed_to_int8 == 0
     assert (stats.entries, stats.evictions) == (2, 1)
     assert "not compressed to int8" in caplog.text
+
+
+def test_bytes_by_form_follow_every_change_to_host_memory() -> None:
+    """The per-form bytes are kept as entries come and go (not counted by a walk on each
+    `stats`): after compressions, drops, a replacement, a removal and reads they equal a walk
+    of what host memory holds."""
+    host = _host(3.5, max_error=0.01)
+    forms = host.retention.forms if host.retention is not None else None
+    assert forms is not None
+
+    def walked() -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for _, value in host.items():
+            totals[forms.form(value)] = totals.get(forms.form(value), 0) + forms.nbytes(value)
+        return totals
+
+    for seed in range(8):
+        host.put(_key(seed), make_chunk(seed))
+        _read(host, seed, seed % 3)
+        assert host.stats().bytes_by_form == walked()
+    stats = host.stats()
+    assert stats.compressed_to_int8 >= 1 and stats.evictions >= 1
+    assert set(stats.bytes_by_form) == {"none", "int8"}
+    host.put(_key(7), make_chunk(70))  # a replacement
+    assert host.remove(_key(7))
+    assert host.stats().bytes_by_form == walked()

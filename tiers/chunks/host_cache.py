@@ -23,24 +23,12 @@ entry its place.
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
-
-import cachetools
+from typing import Any, Generic
 
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
+from sglang_hicache_ext.tiers.chunks.pinned_lru import AllPinnedError, PinnedLru, V
 from sglang_hicache_ext.tiers.chunks.retention import Held, UtilityRetention
-
-
-class HasNbytes(Protocol):
-    @property
-    def nbytes(self) -> int: ...
-
-
-V = TypeVar("V", bound=HasNbytes)
-
 
 # The retention weighs the least recently used entries only, as many as this (Redis's sampled
 # eviction, with a wider sample): a chunk read lately is worth keeping whatever its form, and
@@ -87,40 +75,6 @@ class NotAdmittedError(HostCacheFullError):
     """An insert by frequency that was seen no more often than an entry it would evict."""
 
 
-class _AllPinnedError(Exception):
-    """An insert still does not fit and every entry left is pinned."""
-
-
-# Not `cachetools.LRUCache`: it keeps its recency order to itself and iterates in insertion
-# order, and both the eviction past pinned entries and `items` need the recency order. A plain
-# `Cache` whose own order is the recency does: an insert appends, `touch` re-inserts at the end.
-class _PinnedLru(cachetools.Cache[str, V]):
-    """Entries bounded by the sum of their `nbytes`, iterated least recently used first.
-
-    `Cache` calls `popitem` while an insert does not fit: it evicts the least recently used
-    entry that `pinned` does not hold and appends its key to `evicted` (the owner resets the
-    list), or raises _AllPinnedError when every entry left is pinned (those evicted so far stay
-    evicted, and the insert does not happen)."""
-
-    def __init__(self, capacity_bytes: int, pinned: Callable[[str], bool]) -> None:
-        super().__init__(capacity_bytes, getsizeof=lambda value: int(value.nbytes))
-        self._pinned = pinned
-        self.evicted: list[str] = []
-
-    def touch(self, key: str) -> V:
-        """The entry, made the most recently used."""
-        value = self.pop(key)
-        self[key] = value  # fits: its bytes were counted a moment ago
-        return value
-
-    def popitem(self) -> tuple[str, V]:
-        oldest = next((key for key in self if not self._pinned(key)), None)
-        if oldest is None:
-            raise _AllPinnedError
-        self.evicted.append(oldest)
-        return oldest, self.pop(oldest)
-
-
 class HostChunkCache(Generic[V]):
     """Thread-safe LRU by bytes; `get` refreshes recency; `pin`/`unpin` protect entries in use."""
 
@@ -136,7 +90,7 @@ class HostChunkCache(Generic[V]):
         self.admission = admission
         self.retention = retention  # None: the least recently used make room
         self._pins: dict[str, int] = {}
-        self._entries: _PinnedLru[V] = _PinnedLru(capacity_bytes, self._pinned_locked)
+        self._entries: PinnedLru[V] = PinnedLru(capacity_bytes, self._pinned_locked, self._describe)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             (
@@ -230,8 +184,8 @@ class HostChunkCache(Generic[V]):
                 self._make_room_locked(size)
             if stored:
                 try:
-                    self._entries[key] = value  # evicts (`_PinnedLru.popitem`) until it fits
-                except _AllPinnedError:
+                    self._entries[key] = value  # evicts (`PinnedLru.popitem`) until it fits
+                except AllPinnedError:
                     stored = False
             # A refused insert may have evicted entries before finding the rest pinned.
             self._counts["evictions"] += len(evicted)
@@ -354,12 +308,16 @@ class HostChunkCache(Generic[V]):
             occupancy = (len(self._entries), self._entries.currsize, self._capacity)
             retained: dict[str, Any] = {}
             if self.retention is not None and self.retention.forms is not None:
-                forms = self.retention.forms
-                by_form: Counter[str] = Counter()
-                for value in self._entries.values():
-                    by_form[forms.form(value)] += forms.nbytes(value)
-                retained = {**self.retention.counts, "bytes_by_form": dict(by_form)}
+                by_form = dict(self._entries.bytes_by_form)
+                retained = {**self.retention.counts, "bytes_by_form": by_form}
             return HostCacheStats(*occupancy, **self._counts, **retained)
+
+    def _describe(self, value: V) -> tuple[str, int] | None:
+        """An entry's form and bytes for `bytes_by_form` (None without a retention: it knows the
+        forms, and is bound to them before anything is stored)."""
+        if self.retention is None or (forms := self.retention.forms) is None:
+            return None
+        return forms.form(value), forms.nbytes(value)
 
     def _pinned_locked(self, key: str) -> bool:
         """`pinned`, for a caller that holds the lock."""
