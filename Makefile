@@ -77,7 +77,7 @@ models-qwen: env
 
 # The import check, the models, ruff and mypy are one process each and run at once; the tests
 # start once the import check has written the server's bytecode (39 s from nothing), while the
-# models are still being prepared (SmolLM2 from its GGUF: ~80 s from nothing) and ruff and mypy
+# models are still being prepared (SmolLM2 from its GGUF: ~27 s from nothing) and ruff and mypy
 # run: the tests' collection takes that time anyway, and a test that needs a model still being
 # prepared waits for it (scripts/prepare_models.py builds each under a lock). Measured from
 # nothing, the tests had started 2 min after `make test` with all four before them. A failure

@@ -46,6 +46,7 @@ from sglang_hicache_ext.tiers.chunks.retention import (
     PRIOR_STEP_ERROR,
     UtilityRetention,
 )
+from sglang_hicache_ext.tuning.sim.fused_serving import Load
 
 MAX_ERROR = ExtensionSettings.model_fields["chunk_retention_max_kv_error"].default
 ARMS = ("lru", "utility")
@@ -91,9 +92,12 @@ def run_arm(
     start: int,
     arm: str,
     kv_bytes: int,
+    loads: list[list[Load]] | None = None,
 ) -> tuple[int, dict[str, int]]:
     """Reused tokens after `start`, and host memory's counts, under the default admission and
-    `chunk_retention: <arm>` (budgets in tokens, as `chunk_admission_trace.run_policy`'s)."""
+    `chunk_retention: <arm>` (budgets in tokens, as `chunk_admission_trace.run_policy`'s).
+    With `loads`, each request's reused pieces after `start` are appended to it: tokens, the
+    bytes read in the form stored, and the tier read from."""
     admission = FrequencyAdmission.for_entries(
         SKETCH_ENTRIES, host_budget * kv_bytes, disk_budget * kv_bytes or None
     )
@@ -108,14 +112,19 @@ def run_arm(
     reused = 0
     for index, pieces in enumerate(trace):
         admission.record_prompt([(key, sizes[key] * kv_bytes) for key in pieces])
+        read: list[Load] = []
+        if loads is not None and index >= start:
+            loads.append(read)
         for key in pieces:
             piece = Stored(sizes[key], sizes[key] * kv_bytes)
             counted = sizes[key] if index >= start else 0
-            if host.get(key) is not None:
+            if (held := host.get(key)) is not None:
                 reused += counted
+                read.append(Load(sizes[key], held.nbytes, "host"))
                 continue
-            if disk is not None and disk.get(key) is not None:
+            if disk is not None and (kept := disk.get(key)) is not None:
                 reused += counted
+                read.append(Load(sizes[key], kept.nbytes, "disk"))
                 with contextlib.suppress(HostCacheFullError):
                     host.put(key, piece)  # promoted without admission, as ChunkTiers.pin does
                 continue

@@ -146,6 +146,8 @@ def test_kept_mask_follows_the_positions() -> None:
     torch.manual_seed(6)
     num_keys = 500
     q_pos, k_pos = _scattered(num_keys, 150, 7), torch.arange(num_keys)
+    # Masks of earlier tests whose positions are still alive may stay; none of this test's may.
+    earlier = list(scattered_attention._mask_cache._entries)
 
     def check(q_pos: torch.Tensor) -> None:
         q, k, v = (
@@ -168,7 +170,9 @@ def test_kept_mask_follows_the_positions() -> None:
     assert scattered_attention._mask_cache.get(q_pos, k_pos, torch.float32) is not kept
     del q_pos
     gc.collect()
-    assert len(scattered_attention._mask_cache) == 0, "the masks go with their positions"
+    entries = scattered_attention._mask_cache._entries
+    left = [e for e in entries if not any(e is old for old in earlier)]
+    assert not left, "the masks go with their positions"
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -1,0 +1,218 @@
+"""Past this machine: the TTFT that host memory's retention would give on an H200, projected from
+the traces of `chunk_retention_trace` and the fused and full prefill times `fusion_gpu` measured
+there (`tuning/sim/fused_serving.py` says how).
+
+For every mix (synthetic: skew x one-off share x host budget, with and without a disk tier 2x
+host; the Mooncake trace's blocks as documents) the replay of each arm (`lru`, `utility`)
+records what each request after the warm-up read and from where; each request is then timed as
+the normal prefill (`full`, no reuse) and fused under each arm: alone (service seconds) and in
+one FIFO queue with Poisson arrivals at `--load` of the normal prefill's capacity. The
+reference is EvicPress's: TTFT 1.22-1.56x lower than LRU eviction within 3 % quality, 1.29-2.19x
+lower than the full prefill (Llama-3.1-8B and four other models, vLLM, LongBench contexts).
+
+    python -m benchmarks.chunk_retention_projection
+-> benchmarks/results/chunk_retention_projection.json and .png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.chunk_admission_trace import RESULTS
+from benchmarks.chunk_retention_trace import ARMS, mix_key, run_arm
+from benchmarks.piece_traces import (
+    Trace,
+    floats,
+    mooncake_trace,
+    reused_set_tokens,
+    synthetic_mixes,
+    trace_arguments,
+)
+from benchmarks.shared_data import CONVERSATION_TRACE
+from benchmarks.smollm2_server import report_header, write_json
+from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
+from sglang_hicache_ext.tuning.sim.fused_serving import FusedPrefillTimes, Load, fifo_ttfts
+
+GPU_REPORT = RESULTS / "fusion_gpu_h200.json"
+# Each prompt's tokens past its documents (system prompt, question), never reused.
+QUESTION_TOKENS = 32
+BREAK_EVEN = ExtensionSettings().fusion_min_matched_share
+RULES = ("break_even", "always")
+KINDS = ("service", "queued")
+
+
+def project(
+    trace: Trace,
+    sizes: dict[str, int],
+    reference_tokens: int,
+    budget: float,
+    disk: float,
+    times: FusedPrefillTimes,
+    kv_bytes: int,
+    load: float,
+) -> dict[str, Any]:
+    """One mix: mean TTFT per arm alone and queued, with the server's break-even fallback
+    (`break_even`) and with every prompt that reuses anything fused (`always`)."""
+    start = len(trace) // 5
+    host_budget, disk_budget = int(budget * reference_tokens), int(disk * reference_tokens)
+    prompts = [sum(sizes[key] for key in pieces) + QUESTION_TOKENS for pieces in trace[start:]]
+    reads: dict[str, list[list[Load]]] = {"full": [[] for _ in prompts]}
+    for arm in ARMS:
+        reads[arm] = []
+        run_arm(trace, sizes, host_budget, disk_budget, start, arm, kv_bytes, reads[arm])
+    row: dict[str, Any] = {"prompt_tokens_median": statistics.median(prompts)}
+    rules = {"break_even": times, "always": dataclasses.replace(times, min_share=0.0)}
+    for rule, timed in rules.items():
+        service = {
+            arm: [timed.ttft(t, r) for t, r in zip(prompts, read, strict=True)]
+            for arm, read in reads.items()
+        }
+        rate = load / statistics.fmean(service["full"])
+        figures: dict[str, float] = {}
+        for arm, seconds in service.items():
+            figures[f"{arm}_service_s"] = round(statistics.fmean(seconds), 4)
+            figures[f"{arm}_queued_s"] = round(statistics.fmean(fifo_ttfts(seconds, rate)), 4)
+        for kind in KINDS:
+            utility = figures[f"utility_{kind}_s"]
+            figures[f"lru_over_utility_{kind}"] = round(figures[f"lru_{kind}_s"] / utility, 4)
+            figures[f"full_over_utility_{kind}"] = round(figures[f"full_{kind}_s"] / utility, 4)
+        row[rule] = figures
+    return row
+
+
+def summarise(report: dict[str, Any]) -> None:
+    """Ranges over the rows the docs quote, per trace and rule: TTFT of LRU and of the full
+    prefill over retention by utility's, alone and queued."""
+    for name in ("synthetic", "mooncake"):
+        rows = report.get(name, {}).get("rows", [])
+        if not rows:
+            continue
+        ranges: dict[str, dict[str, float]] = {}
+        for rule in RULES:
+            for kind in KINDS:
+                for base in ("lru", "full"):
+                    values = [row[rule][f"{base}_over_utility_{kind}"] for row in rows]
+                    ranges[f"{rule}_{base}_over_utility_{kind}"] = {
+                        "min": min(values),
+                        "max": max(values),
+                    }
+        report[name]["ranges"] = ranges
+
+
+def plot(report: dict[str, Any], out: Path) -> Path:
+    """Mean queued TTFT per mix: the full prefill, fused under LRU and under utility (every
+    prompt that reuses fused, and with the break-even fallback)."""
+    import matplotlib.pyplot as plt
+
+    sets = [name for name in ("synthetic", "mooncake") if name in report]
+    figure, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    for axis, name in zip(axes[0], sets, strict=True):
+        rows = sorted(
+            report[name]["rows"], key=lambda row: row["always"]["lru_over_utility_queued"]
+        )
+        axis.plot([row["always"]["full_queued_s"] for row in rows], "s-", color="C0", label="full")
+        for colour, arm in enumerate(ARMS, start=1):
+            for rule, style in (("always", "o-"), ("break_even", "x:")):
+                seconds = [row[rule][f"{arm}_queued_s"] for row in rows]
+                axis.plot(seconds, style, color=f"C{colour}", label=f"{arm} ({rule})")
+        axis.set_xticks(range(len(rows)), [mix_key(row) for row in rows], rotation=90, fontsize=6)
+        axis.set(ylabel="mean TTFT, queued (s, projected)", title=name, yscale="log")
+        axis.legend(fontsize=7)
+    figure.suptitle(
+        f"{report['gpu']['device']}, {report['gpu']['model']}: " + report["command"], fontsize=7
+    )
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
+
+
+def main() -> None:
+    parser = trace_arguments(__doc__.split("\n")[0], "0.25,0.5", "0.1,0.25")
+    parser.add_argument("--gpu-report", type=Path, default=GPU_REPORT)
+    parser.add_argument("--model", default="llama3_8b", help="a model of --gpu-report")
+    parser.add_argument("--method", default="question_attention@0.15", help="selector@ratio")
+    parser.add_argument("--backend", default="flashinfer")
+    parser.add_argument(
+        "--disk-gb-per-s", type=float, default=3.0, help="disk tier read rate (assumed)"
+    )
+    parser.add_argument("--load", type=float, default=0.8, help="x the full prefill's capacity")
+    parser.add_argument("--out", type=Path, default=RESULTS / "chunk_retention_projection.json")
+    args = parser.parse_args()
+    if args.plot_only:
+        print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
+        return
+    if not 0 < args.load < 1:
+        parser.error(f"--load must be in (0, 1), got {args.load}")
+    gpu = json.loads(args.gpu_report.read_text())
+    times = FusedPrefillTimes.from_gpu_benchmark(
+        gpu, args.model, args.method, args.backend, args.disk_gb_per_s * 1e9, BREAK_EVEN
+    )
+    (model,) = [m for m in gpu["models"] if m["name"] == args.model]
+    kv_bytes = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * 2  # fp16 K and V
+    header = report_header("benchmarks.chunk_retention_projection")
+    rows = []
+    for mix in synthetic_mixes(args):
+        row = project(
+            mix.trace,
+            mix.sizes,
+            mix.popular_tokens,
+            mix.budget,
+            mix.disk,
+            times,
+            kv_bytes,
+            args.load,
+        )
+        rows.append(mix.key() | row)
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    report: dict[str, Any] = {
+        **header,
+        "gpu": {
+            "report": args.gpu_report.name,
+            "device": gpu["device"],
+            "model": args.model,
+            "method": args.method,
+            "backend": args.backend,
+            "lengths": times.lengths,
+            "full_s": times.full_s,
+            "fused_s": times.fused_s,
+            "h2d_gb_per_s": round(times.h2d_bytes_per_s / 1e9, 2),
+        },
+        "kv_bytes_per_token": kv_bytes,
+        "disk_gb_per_s_assumed": args.disk_gb_per_s,
+        "load": args.load,
+        "min_matched_share": BREAK_EVEN,
+        "synthetic": {
+            "requests": args.requests,
+            "per_request": args.per_request,
+            "rows": rows,
+            "by_mix": {mix_key(row): row for row in rows},
+        },
+    }
+    path = args.trace or CONVERSATION_TRACE
+    if path.exists():
+        trace, sizes = mooncake_trace(path, args.trace_requests)
+        reused_set = reused_set_tokens(trace, sizes)
+        moon = []
+        for budget in floats(args.trace_budgets):
+            for disk in (0.0, 2 * budget):
+                row = project(trace, sizes, reused_set, budget, disk, times, kv_bytes, args.load)
+                moon.append({"budget": budget, "disk": disk} | row)
+                print(json.dumps(moon[-1]), file=sys.stderr)
+        report["mooncake"] = {
+            "requests": len(trace),
+            "rows": moon,
+            "by_budget": {mix_key(row): row for row in moon},
+        }
+    summarise(report)
+    write_json(args.out, report)
+    print(args.out, plot(report, args.out.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
