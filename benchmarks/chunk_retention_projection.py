@@ -73,35 +73,61 @@ def project(
             for arm, read in reads.items()
         }
         rate = load / statistics.fmean(service["full"])
-        figures: dict[str, float] = {}
+        figures: dict[str, float | None] = {}
         for arm, seconds in service.items():
             figures[f"{arm}_service_s"] = round(statistics.fmean(seconds), 4)
             figures[f"{arm}_queued_s"] = round(statistics.fmean(fifo_ttfts(seconds, rate)), 4)
-        for kind in KINDS:
-            utility = figures[f"utility_{kind}_s"]
-            figures[f"lru_over_utility_{kind}"] = round(figures[f"lru_{kind}_s"] / utility, 4)
-            figures[f"full_over_utility_{kind}"] = round(figures[f"full_{kind}_s"] / utility, 4)
+        row[rule] = ratios(figures, load)
         row[rule] = figures
     return row
 
 
+def ratios(figures: dict[str, float | None], load: float) -> dict[str, float | None]:
+    """Each arm's utilisation of the queue (arrivals at `load` of the full prefill's capacity)
+    and the TTFT ratios over utility's. An arm at or past a utilisation of 1 has no steady
+    queue (its mean wait grows with the trace's length): its queued TTFT and ratios are None."""
+    full = figures["full_service_s"]
+    assert full is not None
+    for arm in ("full", *ARMS):
+        service = figures[f"{arm}_service_s"]
+        assert service is not None
+        figures[f"{arm}_utilisation"] = round(load * service / full, 4)
+        if load * service / full >= 1:
+            figures[f"{arm}_queued_s"] = None
+    for kind in KINDS:
+        utility = figures[f"utility_{kind}_s"]
+        for base in ("lru", "full"):
+            value = figures[f"{base}_{kind}_s"]
+            ratio = None if value is None or utility is None else round(value / utility, 4)
+            figures[f"{base}_over_utility_{kind}"] = ratio
+    return figures
+
+
 def summarise(report: dict[str, Any]) -> None:
-    """Ranges over the rows the docs quote, per trace and rule: TTFT of LRU and of the full
-    prefill over retention by utility's, alone and queued."""
+    """Ranges over the rows the docs quote, per trace, without and with a disk tier, and per
+    rule: TTFT of LRU and of the full prefill over retention by utility's, alone and queued
+    (`unbounded`: the rows where an arm had no steady queue)."""
     for name in ("synthetic", "mooncake"):
         rows = report.get(name, {}).get("rows", [])
-        if not rows:
-            continue
-        ranges: dict[str, dict[str, float]] = {}
-        for rule in RULES:
-            for kind in KINDS:
-                for base in ("lru", "full"):
-                    values = [row[rule][f"{base}_over_utility_{kind}"] for row in rows]
-                    ranges[f"{rule}_{base}_over_utility_{kind}"] = {
-                        "min": min(values),
-                        "max": max(values),
-                    }
-        report[name]["ranges"] = ranges
+        ranges: dict[str, dict[str, dict[str, float | None]]] = {}
+        for tier, with_disk in (("host", False), ("disk", True)):
+            found_rows = [row for row in rows if bool(row["disk"]) == with_disk]
+            if not found_rows:
+                continue
+            ranges[tier] = {}
+            for rule in RULES:
+                for kind in KINDS:
+                    for base in ("lru", "full"):
+                        key = f"{base}_over_utility_{kind}"
+                        found = [row[rule][key] for row in found_rows]
+                        values = [value for value in found if value is not None]
+                        ranges[tier][f"{rule}_{key}"] = {
+                            "min": min(values) if values else None,
+                            "max": max(values) if values else None,
+                            "unbounded": len(found) - len(values),
+                        }
+        if ranges:
+            report[name]["ranges"] = ranges
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
@@ -112,13 +138,15 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     sets = [name for name in ("synthetic", "mooncake") if name in report]
     figure, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
     for axis, name in zip(axes[0], sets, strict=True):
-        rows = sorted(
-            report[name]["rows"], key=lambda row: row["always"]["lru_over_utility_queued"]
+        rows = sorted(  # unbounded (None) last
+            report[name]["rows"],
+            key=lambda row: row["always"]["lru_over_utility_queued"] or float("inf"),
         )
         axis.plot([row["always"]["full_queued_s"] for row in rows], "s-", color="C0", label="full")
+        # An arm past a utilisation of 1 has no steady queue: a gap in its line.
         for colour, arm in enumerate(ARMS, start=1):
             for rule, style in (("always", "o-"), ("break_even", "x:")):
-                seconds = [row[rule][f"{arm}_queued_s"] for row in rows]
+                seconds = [row[rule][f"{arm}_queued_s"] or float("nan") for row in rows]
                 axis.plot(seconds, style, color=f"C{colour}", label=f"{arm} ({rule})")
         axis.set_xticks(range(len(rows)), [mix_key(row) for row in rows], rotation=90, fontsize=6)
         axis.set(ylabel="mean TTFT, queued (s, projected)", title=name, yscale="log")
@@ -143,9 +171,25 @@ def main() -> None:
     )
     parser.add_argument("--load", type=float, default=0.8, help="x the full prefill's capacity")
     parser.add_argument("--out", type=Path, default=RESULTS / "chunk_retention_projection.json")
+    parser.add_argument(
+        "--summary-only", action="store_true", help="redo --out's ratios and ranges from its times"
+    )
     args = parser.parse_args()
     if args.plot_only:
         print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
+        return
+    if args.summary_only:
+        report = json.loads(args.out.read_text())
+        for name, index in (("synthetic", "by_mix"), ("mooncake", "by_budget")):
+            rows = report.get(name, {}).get("rows", [])
+            for row in rows:
+                for rule in RULES:
+                    row[rule] = ratios(row[rule], report["load"])
+            if rows:
+                report[name][index] = {mix_key(row): row for row in rows}
+        summarise(report)
+        write_json(args.out, report)
+        print(args.out, plot(report, args.out.with_suffix(".png")))
         return
     if not 0 < args.load < 1:
         parser.error(f"--load must be in (0, 1), got {args.load}")
