@@ -13,7 +13,11 @@ from sglang_hicache_ext.fusion.chunk import PrecomputedChunk
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
-from sglang_hicache_ext.tiers.chunks.host_cache import HostChunkCache, NotAdmittedError
+from sglang_hicache_ext.tiers.chunks.host_cache import (
+    HostCacheFullError,
+    HostChunkCache,
+    NotAdmittedError,
+)
 from sglang_hicache_ext.tiers.chunks.retention import UtilityRetention
 from sglang_hicache_ext.tiers.chunks.stored_forms import (
     StoredBlob,
@@ -225,3 +229,14 @@ def test_bytes_by_form_follow_every_change_to_host_memory() -> None:
     host.put(_key(7), make_chunk(70))  # a replacement
     assert host.remove(_key(7))
     assert host.stats().bytes_by_form == walked()
+    held = [key for key, _ in host.items()]
+    for key in held:
+        host.pin(key)
+    with pytest.raises(HostCacheFullError):  # once all is pinned: refused, nothing changed
+        for seed in range(100, 110):
+            host.put(_key(seed), make_chunk(seed))
+            held.append(_key(seed))
+            host.pin(_key(seed))
+    assert host.stats().bytes_by_form == walked()
+    for key in held:
+        host.unpin(key)

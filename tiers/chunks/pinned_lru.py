@@ -61,6 +61,12 @@ class PinnedLru(cachetools.Cache[str, V]):
         super().__delitem__(key)
         self._forget_form(key)
 
+    def clear(self) -> None:
+        # `Cache.clear` empties its data without `__delitem__`: the accounting goes with it.
+        super().clear()
+        self._described.clear()
+        self.bytes_by_form.clear()
+
     def _note_form(self, key: str, value: V) -> None:
         if (described := self._describe(value)) is not None:
             self._described[key] = described

@@ -14,7 +14,9 @@ proportion below the shortest (above the longest: the last two points' slope). L
 counted serially (the measured overlap hides only part of them: `host_overlapped` against `gpu`
 at 16K), int8 rows load half the bytes and decode on the GPU at no modelled cost. A prompt whose
 reused share is below `min_share` gets the normal prefill, as the server's break-even fallback
-does. `fifo_ttfts` adds the wait of one FIFO server under Poisson arrivals.
+does (the server fetches a request's disk chunks before that decision; the model charges
+no transfer to a request that falls back). `fifo_ttfts` adds the wait of one FIFO server under
+Poisson arrivals.
 """
 
 from __future__ import annotations
