@@ -107,7 +107,10 @@ def test_burst_under_pressure_equals_one_by_one_and_leaves_no_pin(server: str) -
     for i in range(0, 6, 2):
         _answer(server, fresh[i : i + 2], "Which document is longer?", {})
     seeded = _stats(server)
-    assert seeded["auto_chunks"]["captured"] >= captured + 6, (seeded["auto_chunks"], seeded["chunks"])
+    assert seeded["auto_chunks"]["captured"] >= captured + 6, (
+        seeded["auto_chunks"],
+        seeded["chunks"],
+    )
     pairs = random.Random(7).sample([(s, n) for s in range(6) for n in range(6, 12)], 6)
     prompts = [
         (documents, f"What is document {1 + k % 2} about?")
