@@ -24,16 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.chunk_admission_trace import RESULTS
-from benchmarks.chunk_retention_trace import ARMS, mix_key, run_arm
+from benchmarks.chunk_retention_trace import ARMS, mix_key, mooncake_rows, run_arm
 from benchmarks.piece_traces import (
     Trace,
-    floats,
-    mooncake_trace,
-    reused_set_tokens,
     synthetic_mixes,
     trace_arguments,
 )
-from benchmarks.shared_data import CONVERSATION_TRACE
 from benchmarks.smollm2_server import report_header, write_json
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.tuning.sim.fused_serving import FusedPrefillTimes, Load, fifo_ttfts
@@ -238,18 +234,11 @@ def main() -> None:
             "by_mix": {mix_key(row): row for row in rows},
         },
     }
-    path = args.trace or CONVERSATION_TRACE
-    if path.exists():
-        trace, sizes = mooncake_trace(path, args.trace_requests)
-        reused_set = reused_set_tokens(trace, sizes)
-        moon = []
-        for budget in floats(args.trace_budgets):
-            for disk in (0.0, 2 * budget):
-                row = project(trace, sizes, reused_set, budget, disk, times, kv_bytes, args.load)
-                moon.append({"budget": budget, "disk": disk} | row)
-                print(json.dumps(moon[-1]), file=sys.stderr)
+    found = mooncake_rows(args, lambda *mix: project(*mix, times, kv_bytes, args.load))
+    if found is not None:
+        requests, _, moon = found
         report["mooncake"] = {
-            "requests": len(trace),
+            "requests": requests,
             "rows": moon,
             "by_budget": {mix_key(row): row for row in moon},
         }

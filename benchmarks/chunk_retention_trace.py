@@ -18,9 +18,11 @@ Arms, all with the default admission (`chunk_admission: "adaptive"`):
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,29 @@ def measure(
     return row
 
 
+def mooncake_rows(
+    args: argparse.Namespace,
+    measure_mix: Callable[[Trace, dict[str, int], int, float, float], dict[str, Any]],
+) -> tuple[int, int, list[dict[str, Any]]] | None:
+    """The Mooncake trace's rows, one per `--trace-budgets` budget without and with a disk tier
+    2x host: `measure_mix(trace, sizes, reused-set tokens, budget, disk)` each; with the
+    trace's requests and reused-set tokens. None when the trace is not there."""
+    path = args.trace or CONVERSATION_TRACE
+    if not path.exists():
+        return None
+    trace, sizes = mooncake_trace(path, args.trace_requests)
+    reused_set = reused_set_tokens(trace, sizes)
+    rows = []
+    for budget in floats(args.trace_budgets):
+        for disk in (0.0, 2 * budget):
+            rows.append(
+                {"budget": budget, "disk": disk}
+                | measure_mix(trace, sizes, reused_set, budget, disk)
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    return len(trace), reused_set, rows
+
+
 def mix_key(row: dict[str, Any]) -> str:
     """A row's name in `by_mix` / `by_budget`: "skew/one-off/budget" (synthetic) or "budget",
     with "+disk" when a disk tier sits below."""
@@ -259,18 +284,11 @@ def main() -> None:
             "by_mix": {mix_key(row): row for row in rows},
         },
     }
-    path = args.trace or CONVERSATION_TRACE
-    if path.exists():
-        trace, sizes = mooncake_trace(path, args.trace_requests)
-        reused_set = reused_set_tokens(trace, sizes)
-        moon = []
-        for budget in floats(args.trace_budgets):
-            for disk in (0.0, 2 * budget):
-                row = measure(trace, sizes, reused_set, budget, disk, kv)
-                moon.append({"budget": budget, "disk": disk} | row)
-                print(json.dumps(moon[-1]), file=sys.stderr)
+    found = mooncake_rows(args, lambda *mix: measure(*mix, kv))
+    if found is not None:
+        requests, reused_set, moon = found
         report["mooncake"] = {
-            "requests": len(trace),
+            "requests": requests,
             "reused_set_tokens": reused_set,
             "rows": moon,
             "by_budget": {mix_key(row): row for row in moon},
