@@ -234,14 +234,9 @@ def main() -> None:
             "by_mix": {mix_key(row): row for row in rows},
         },
     }
-    found = mooncake_rows(args, lambda *mix: project(*mix, times, kv_bytes, args.load))
-    if found is not None:
-        requests, _, moon = found
-        report["mooncake"] = {
-            "requests": requests,
-            "rows": moon,
-            "by_budget": {mix_key(row): row for row in moon},
-        }
+    timed = mooncake_rows(args, lambda *mix: project(*mix, times, kv_bytes, args.load))
+    if timed is not None:
+        report["mooncake"] = timed
     summarise(report)
     write_json(args.out, report)
     print(args.out, plot(report, args.out.with_suffix(".png")))

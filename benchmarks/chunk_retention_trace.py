@@ -172,9 +172,9 @@ def measure(
 def mooncake_rows(
     args: argparse.Namespace,
     measure_mix: Callable[[Trace, dict[str, int], int, float, float], dict[str, Any]],
-) -> tuple[int, int, list[dict[str, Any]]] | None:
-    """The Mooncake trace's rows, one per `--trace-budgets` budget without and with a disk tier
-    2x host: `measure_mix(trace, sizes, reused-set tokens, budget, disk)` each; with the
+) -> dict[str, Any] | None:
+    """The report's Mooncake section: a row per `--trace-budgets` budget without and with a disk
+    tier 2x host, `measure_mix(trace, sizes, reused-set tokens, budget, disk)` each, with the
     trace's requests and reused-set tokens. None when the trace is not there."""
     path = args.trace or CONVERSATION_TRACE
     if not path.exists():
@@ -184,12 +184,15 @@ def mooncake_rows(
     rows = []
     for budget in floats(args.trace_budgets):
         for disk in (0.0, 2 * budget):
-            rows.append(
-                {"budget": budget, "disk": disk}
-                | measure_mix(trace, sizes, reused_set, budget, disk)
-            )
+            row = measure_mix(trace, sizes, reused_set, budget, disk)
+            rows.append({"budget": budget, "disk": disk} | row)
             print(json.dumps(rows[-1]), file=sys.stderr)
-    return len(trace), reused_set, rows
+    return {
+        "requests": len(trace),
+        "reused_set_tokens": reused_set,
+        "rows": rows,
+        "by_budget": {mix_key(row): row for row in rows},
+    }
 
 
 def mix_key(row: dict[str, Any]) -> str:
@@ -284,15 +287,8 @@ def main() -> None:
             "by_mix": {mix_key(row): row for row in rows},
         },
     }
-    found = mooncake_rows(args, lambda *mix: measure(*mix, kv))
-    if found is not None:
-        requests, reused_set, moon = found
-        report["mooncake"] = {
-            "requests": requests,
-            "reused_set_tokens": reused_set,
-            "rows": moon,
-            "by_budget": {mix_key(row): row for row in moon},
-        }
+    if (moon := mooncake_rows(args, lambda *mix: measure(*mix, kv))) is not None:
+        report["mooncake"] = moon
     summarise(report)
     write_json(args.out, report)
     print(args.out, plot(report, args.out.with_suffix(".png")))
