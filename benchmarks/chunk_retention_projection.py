@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.chunk_admission_trace import RESULTS
-from benchmarks.chunk_retention_trace import ARMS, mix_key, mooncake_rows, run_arm
+from benchmarks.chunk_retention_trace import ARMS, label_mixes, mix_key, mooncake_rows, run_arm
 from benchmarks.piece_traces import (
     Trace,
     synthetic_mixes,
@@ -144,9 +144,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
             for rule, style in (("always", "o-"), ("break_even", "x:")):
                 seconds = [row[rule][f"{arm}_queued_s"] or float("nan") for row in rows]
                 axis.plot(seconds, style, color=f"C{colour}", label=f"{arm} ({rule})")
-        axis.set_xticks(range(len(rows)), [mix_key(row) for row in rows], rotation=90, fontsize=6)
-        axis.set(ylabel="mean TTFT, queued (s, projected)", title=name, yscale="log")
-        axis.legend(fontsize=7)
+        label_mixes(axis, rows, ylabel="mean TTFT, queued (s, projected)", title=name, yscale="log")
     figure.suptitle(
         f"{report['gpu']['device']}, {report['gpu']['model']}: " + report["command"], fontsize=7
     )

@@ -38,6 +38,7 @@ from benchmarks.piece_traces import (
     synthetic_mixes,
     trace_arguments,
 )
+from benchmarks.run_figures import save_run_figure
 from benchmarks.shared_data import CONVERSATION_TRACE
 from benchmarks.smollm2_server import report_header, write_json
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
@@ -240,14 +241,15 @@ def plot(report: dict[str, Any], out: Path) -> Path:
         best = [row["belady_int8"] / row["belady"] for row in rows]
         axis.plot(best, ":", color="grey", label="Belady, every piece int8")
         axis.axhline(0.9, linestyle="--", color="lightgrey")
-        axis.set_xticks(range(len(rows)), [mix_key(row) for row in rows], rotation=90, fontsize=6)
-        axis.set(ylabel="reused tokens / Belady's (dense)", title=name)
-        axis.legend(fontsize=7)
-    figure.suptitle(report["command"], fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
-    plt.close(figure)
-    return out
+        label_mixes(axis, rows, ylabel="reused tokens / Belady's (dense)", title=name)
+    return save_run_figure(figure, report, out)
+
+
+def label_mixes(axis: Any, rows: list[dict[str, Any]], **labels: Any) -> None:
+    """A per-mix axis's ticks (`mix_key`), labels and legend."""
+    axis.set_xticks(range(len(rows)), [mix_key(row) for row in rows], rotation=90, fontsize=6)
+    axis.set(**labels)
+    axis.legend(fontsize=7)
 
 
 def main() -> None:
