@@ -19,16 +19,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.chunk_admission_trace import RESULTS
-from benchmarks.chunk_retention_trace import ARMS, label_mixes, mix_key, mooncake_rows, run_arm
+from benchmarks.chunk_retention_trace import ARMS, run_arm
 from benchmarks.piece_traces import (
     Trace,
-    synthetic_mixes,
+    label_mixes,
+    mix_key,
     trace_arguments,
+    write_trace_report,
 )
 from benchmarks.smollm2_server import report_header, write_json
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
@@ -193,23 +194,8 @@ def main() -> None:
     )
     (model,) = [m for m in gpu["models"] if m["name"] == args.model]
     kv_bytes = 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * 2  # fp16 K and V
-    header = report_header("benchmarks.chunk_retention_projection")
-    rows = []
-    for mix in synthetic_mixes(args):
-        row = project(
-            mix.trace,
-            mix.sizes,
-            mix.popular_tokens,
-            mix.budget,
-            mix.disk,
-            times,
-            kv_bytes,
-            args.load,
-        )
-        rows.append(mix.key() | row)
-        print(json.dumps(rows[-1]), file=sys.stderr)
     report: dict[str, Any] = {
-        **header,
+        **report_header("benchmarks.chunk_retention_projection"),
         "gpu": {
             "report": args.gpu_report.name,
             "device": gpu["device"],
@@ -225,19 +211,9 @@ def main() -> None:
         "disk_gb_per_s_assumed": args.disk_gb_per_s,
         "load": args.load,
         "min_matched_share": BREAK_EVEN,
-        "synthetic": {
-            "requests": args.requests,
-            "per_request": args.per_request,
-            "rows": rows,
-            "by_mix": {mix_key(row): row for row in rows},
-        },
     }
-    timed = mooncake_rows(args, lambda *mix: project(*mix, times, kv_bytes, args.load))
-    if timed is not None:
-        report["mooncake"] = timed
-    summarise(report)
-    write_json(args.out, report)
-    print(args.out, plot(report, args.out.with_suffix(".png")))
+    measure_mix = lambda *mix: project(*mix, times, kv_bytes, args.load)  # noqa: E731
+    write_trace_report(report, args, measure_mix, summarise, plot)
 
 
 if __name__ == "__main__":

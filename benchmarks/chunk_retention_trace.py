@@ -18,11 +18,8 @@ Arms, all with the default admission (`chunk_admission: "adaptive"`):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,16 +27,13 @@ from typing import Any
 from benchmarks.chunk_admission_trace import RESULTS, SKETCH_ENTRIES
 from benchmarks.piece_traces import (
     Trace,
-    floats,
-    mooncake_trace,
+    label_mixes,
     reusable_tokens,
-    reused_set_tokens,
     run_belady,
-    synthetic_mixes,
     trace_arguments,
+    write_trace_report,
 )
 from benchmarks.run_figures import save_run_figure
-from benchmarks.shared_data import CONVERSATION_TRACE
 from benchmarks.smollm2_server import report_header, write_json
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
@@ -170,39 +164,6 @@ def measure(
     return row
 
 
-def mooncake_rows(
-    args: argparse.Namespace,
-    measure_mix: Callable[[Trace, dict[str, int], int, float, float], dict[str, Any]],
-) -> dict[str, Any] | None:
-    """The report's Mooncake section: a row per `--trace-budgets` budget without and with a disk
-    tier 2x host, `measure_mix(trace, sizes, reused-set tokens, budget, disk)` each, with the
-    trace's requests and reused-set tokens. None when the trace is not there."""
-    path = args.trace or CONVERSATION_TRACE
-    if not path.exists():
-        return None
-    trace, sizes = mooncake_trace(path, args.trace_requests)
-    reused_set = reused_set_tokens(trace, sizes)
-    rows = []
-    for budget in floats(args.trace_budgets):
-        for disk in (0.0, 2 * budget):
-            row = measure_mix(trace, sizes, reused_set, budget, disk)
-            rows.append({"budget": budget, "disk": disk} | row)
-            print(json.dumps(rows[-1]), file=sys.stderr)
-    return {
-        "requests": len(trace),
-        "reused_set_tokens": reused_set,
-        "rows": rows,
-        "by_budget": {mix_key(row): row for row in rows},
-    }
-
-
-def mix_key(row: dict[str, Any]) -> str:
-    """A row's name in `by_mix` / `by_budget`: "skew/one-off/budget" (synthetic) or "budget",
-    with "+disk" when a disk tier sits below."""
-    name = "/".join(f"{row[k]:g}" for k in ("skew", "one_off", "budget") if k in row)
-    return name + ("+disk" if row["disk"] else "")
-
-
 def summarise(report: dict[str, Any]) -> None:
     """The ranges the docs quote, per trace and with or without a disk tier below:
     utility / LRU and utility / Belady (dense)."""
@@ -245,13 +206,6 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     return save_run_figure(figure, report, out)
 
 
-def label_mixes(axis: Any, rows: list[dict[str, Any]], **labels: Any) -> None:
-    """A per-mix axis's ticks (`mix_key`), labels and legend."""
-    axis.set_xticks(range(len(rows)), [mix_key(row) for row in rows], rotation=90, fontsize=6)
-    axis.set(**labels)
-    axis.legend(fontsize=7)
-
-
 def main() -> None:
     parser = trace_arguments(__doc__.split("\n")[0], "0.25,0.5", "0.1,0.25")
     parser.add_argument("--kv-bytes-per-token", type=int, default=128 * 1024)
@@ -267,33 +221,15 @@ def main() -> None:
         write_json(args.out, report)
         return
     kv = args.kv_bytes_per_token
-    header = report_header("benchmarks.chunk_retention_trace")  # the commit it starts at
-    rows: list[dict[str, Any]] = []
-    for mix in synthetic_mixes(args):
-        row = measure(mix.trace, mix.sizes, mix.popular_tokens, mix.budget, mix.disk, kv)
-        rows.append(mix.key() | row)
-        print(json.dumps(rows[-1]), file=sys.stderr)
     report: dict[str, Any] = {
-        **header,
+        **report_header("benchmarks.chunk_retention_trace"),  # the commit it starts at
         "kv_bytes_per_token": kv,
         "max_kv_error": MAX_ERROR,
         "int8_size_ratio": PRIOR_SIZE_RATIO["int8"],
         "metric": "tokens of pieces found stored / tokens of pieces seen before, after the "
         "first fifth of the requests",
-        "synthetic": {
-            "requests": args.requests,
-            "popular": args.popular,
-            "per_request": args.per_request,
-            "mixes": len(rows),
-            "rows": rows,
-            "by_mix": {mix_key(row): row for row in rows},
-        },
     }
-    if (moon := mooncake_rows(args, lambda *mix: measure(*mix, kv))) is not None:
-        report["mooncake"] = moon
-    summarise(report)
-    write_json(args.out, report)
-    print(args.out, plot(report, args.out.with_suffix(".png")))
+    write_trace_report(report, args, lambda *mix: measure(*mix, kv), summarise, plot)
 
 
 if __name__ == "__main__":

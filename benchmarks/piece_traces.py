@@ -18,9 +18,13 @@ import argparse
 import heapq
 import json
 import random
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from benchmarks.shared_data import CONVERSATION_TRACE
+from benchmarks.smollm2_server import write_json
 
 Trace = list[list[str]]
 BLOCK_TOKENS = 512  # the Mooncake trace's block size
@@ -173,3 +177,74 @@ def synthetic_mixes(args: argparse.Namespace) -> Iterator[Mix]:
             for budget in floats(args.budgets):
                 for disk in disks:
                     yield Mix(skew, one_off, budget, disk, trace, sizes, popular_tokens)
+
+
+def mooncake_rows(
+    args: argparse.Namespace,
+    measure_mix: Callable[[Trace, dict[str, int], int, float, float], dict[str, Any]],
+) -> dict[str, Any] | None:
+    """The report's Mooncake section: a row per `--trace-budgets` budget without and with a disk
+    tier 2x host, `measure_mix(trace, sizes, reused-set tokens, budget, disk)` each, with the
+    trace's requests and reused-set tokens. None when the trace is not there."""
+    path = args.trace or CONVERSATION_TRACE
+    if not path.exists():
+        return None
+    trace, sizes = mooncake_trace(path, args.trace_requests)
+    reused_set = reused_set_tokens(trace, sizes)
+    rows = []
+    for budget in floats(args.trace_budgets):
+        for disk in (0.0, 2 * budget):
+            row = measure_mix(trace, sizes, reused_set, budget, disk)
+            rows.append({"budget": budget, "disk": disk} | row)
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    return {
+        "requests": len(trace),
+        "reused_set_tokens": reused_set,
+        "rows": rows,
+        "by_budget": {mix_key(row): row for row in rows},
+    }
+
+
+def mix_key(row: dict[str, Any]) -> str:
+    """A row's name in `by_mix` / `by_budget`: "skew/one-off/budget" (synthetic) or "budget",
+    with "+disk" when a disk tier sits below."""
+    name = "/".join(f"{row[k]:g}" for k in ("skew", "one_off", "budget") if k in row)
+    return name + ("+disk" if row["disk"] else "")
+
+
+def label_mixes(axis: Any, rows: list[dict[str, Any]], **labels: Any) -> None:
+    """A per-mix axis's ticks (`mix_key`), labels and legend."""
+    axis.set_xticks(range(len(rows)), [mix_key(row) for row in rows], rotation=90, fontsize=6)
+    axis.set(**labels)
+    axis.legend(fontsize=7)
+
+
+def write_trace_report(
+    report: dict[str, Any],
+    args: argparse.Namespace,
+    measure_mix: Callable[[Trace, dict[str, int], int, float, float], dict[str, Any]],
+    summarise: Callable[[dict[str, Any]], None],
+    plot: Callable[[dict[str, Any], Path], Path],
+) -> None:
+    """A trace benchmark's run after its `report` head: `measure_mix(trace, sizes, reference
+    tokens, budget, disk)` over every synthetic mix (`synthetic_mixes`; the reference is the
+    popular set's tokens) and the Mooncake trace's budgets (`mooncake_rows`), the ranges
+    (`summarise`), then `--out` and its figure written."""
+    rows = []
+    for mix in synthetic_mixes(args):
+        row = measure_mix(mix.trace, mix.sizes, mix.popular_tokens, mix.budget, mix.disk)
+        rows.append(mix.key() | row)
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    report["synthetic"] = {
+        "requests": args.requests,
+        "popular": args.popular,
+        "per_request": args.per_request,
+        "mixes": len(rows),
+        "rows": rows,
+        "by_mix": {mix_key(row): row for row in rows},
+    }
+    if (moon := mooncake_rows(args, measure_mix)) is not None:
+        report["mooncake"] = moon
+    summarise(report)
+    write_json(args.out, report)
+    print(args.out, plot(report, args.out.with_suffix(".png")))

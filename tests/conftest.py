@@ -31,7 +31,6 @@ from scripts.prepare_models import (  # noqa: E402
     prepare,
 )
 from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import disk_tier_extra_config  # noqa: E402
-from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR  # noqa: E402
 from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
     free_port,
@@ -179,10 +178,8 @@ def hicache_server(
     # Their prompts are short around their documents; what they test is the fused path, so it
     # is taken whatever share of a prompt its chunks cover (the break-even fallback is tested
     # on the auto_chunks server, tests/test_server_auto_chunks.py).
-    settings = workdir / "settings.json"
-    settings.write_text(json.dumps({"fusion_min_matched_share": 0.0}))
-    config = dataclasses.replace(
-        hicache_config(tiny_smollm2_path, workdir), env={CONFIG_ENV_VAR: str(settings)}
+    config = hicache_config(tiny_smollm2_path, workdir).with_settings(
+        workdir / "settings.json", {"fusion_min_matched_share": 0.0}
     )
     with SHARED_SERVERS.serve("hicache_server", config, workdir / "server.log") as running:
         yield running
@@ -266,20 +263,15 @@ def chunked_prefill_server(
     model is SmolLM2's tokenizer over random weights (`tiny_smollm2_path`): SmolLM2's prompts
     and rounds, a prefill a few percent of its cost."""
     workdir = tmp_path_factory.mktemp("chunked_prefill")
-    settings = workdir / "settings.json"
-    settings.write_text(
-        json.dumps(
-            {
-                "fusion_shadow_rate": 1.0,
-                "fusion_shadow_queue": SHADOW_QUEUE,
-                "fusion_shadow_idle_s": 0.2,
-                # These tests compare fused answers to the same prompts' earlier ones: rows a
-                # check kept for their documents would change the later ones, by design
-                # (tests/test_server_auto_chunks.py tests that).
-                "fusion_shadow_refresh": False,
-            }
-        )
-    )
+    settings = {
+        "fusion_shadow_rate": 1.0,
+        "fusion_shadow_queue": SHADOW_QUEUE,
+        "fusion_shadow_idle_s": 0.2,
+        # These tests compare fused answers to the same prompts' earlier ones: rows a check
+        # kept for their documents would change the later ones, by design
+        # (tests/test_server_auto_chunks.py tests that).
+        "fusion_shadow_refresh": False,
+    }
     config = ServerConfig(
         model_path=str(tiny_smollm2_path),
         port=free_port(),
@@ -293,8 +285,7 @@ def chunked_prefill_server(
             "--hicache-ratio",
             "2",
         ),
-        env={CONFIG_ENV_VAR: str(settings)},
-    )
+    ).with_settings(workdir / "settings.json", settings)
     with SHARED_SERVERS.serve("chunked_prefill_server", config, workdir / "server.log") as running:
         yield running
 

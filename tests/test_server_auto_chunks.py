@@ -13,8 +13,6 @@ computed in their real context is a kind of reuse from ordinary traffic.
 from __future__ import annotations
 
 import contextlib
-import json
-import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +25,7 @@ from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from tests.test_server_retention_pressure import twin_prompts
 
 pytestmark = pytest.mark.server
 
@@ -35,25 +34,19 @@ PER_MINUTE = 60
 
 
 def _config(model_path: Path, workdir: Path, port: int) -> ServerConfig:
-    settings = workdir / "settings.json"
-    settings.write_text(
-        json.dumps(
-            {
-                "auto_chunks": True,
-                "auto_chunks_per_minute": PER_MINUTE,
-                "fusion_by_default": True,
-                "chunk_disk_dir": str(workdir / "chunks"),
-                "fusion_shadow_refresh": True,
-            }
-        )
-    )
+    settings = {
+        "auto_chunks": True,
+        "auto_chunks_per_minute": PER_MINUTE,
+        "fusion_by_default": True,
+        "chunk_disk_dir": str(workdir / "chunks"),
+        "fusion_shadow_refresh": True,
+    }
     return ServerConfig(
         model_path=str(model_path),
         port=port,
         max_total_tokens=20_000,
         extra_args=("--enable-cache-report", "--enable-metrics", "--chunked-prefill-size", "512"),
-        env={"SGLANG_HICACHE_EXT_CONFIG": str(settings)},
-    )
+    ).with_settings(workdir / "settings.json", settings)
 
 
 @pytest.fixture(scope="module")
@@ -253,18 +246,7 @@ def test_concurrent_capture_and_fusion_equal_one_by_one(
     _chat(url, fresh[:6], "Which document is the longest?")
     seeded = _stats(url)
     assert seeded["auto_chunks"]["captured"] - before["auto_chunks"]["captured"] >= 6, seeded
-    pairs = [(seen, new) for seen in range(6) for new in range(6, 12)]
-    chosen = random.Random(5).sample(pairs, 8)
-    prompts = [
-        (docs, f"What is document {1 + n % 2} about?")
-        for n, (i, j) in enumerate(chosen)
-        for docs in ([fresh[i], fresh[j]], [fresh[j], fresh[i]])
-    ]
-    ratio_one = {"fusion_selector": "full", "fusion_recompute_ratio": 1.0}
-    jobs = [
-        (*prompt, ratio_one if n % 2 == 0 else {"fusion": False})
-        for n, prompt in enumerate(prompts)
-    ]
+    prompts, jobs = twin_prompts(fresh, 8, seed=5)
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         together = list(pool.map(lambda job: _answer(url, *job), jobs))
     after = _stats(url)

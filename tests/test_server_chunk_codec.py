@@ -6,27 +6,18 @@ layer is never decoded into attention (the request gets the normal prefill); bad
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import running_server
 from sglang_hicache_ext.tiers.chunks.stored_forms import read_header
 from tests.test_server_mooncake import _normal
-from tests.test_server_restart import _chunks, _fused
+from tests.test_server_restart import DAMAGED, DOCUMENTS, PROMPT, _chunks, _fused, small_server
 
 pytestmark = pytest.mark.server
-
-DOCUMENTS = [
-    f"Survey {topic}: "
-    + " ".join(f"the {topic} site {i} was mapped in {1950 + 3 * i}." for i in range(12))
-    for topic in ("caves", "reefs", "dunes")
-]
-PROMPT = "Documents:\n" + "\n".join(DOCUMENTS[::-1]) + "\nQuestion: which site is newest?\nAnswer:"
-DAMAGED = "Survey bogs: " + " ".join(f"the bog {i} was drained in {1800 + i}." for i in range(12))
 
 
 def _register(url: str, **body: object) -> requests.Response:
@@ -39,16 +30,8 @@ def _flush(url: str) -> None:
 
 
 def test_compressed_chunks_across_a_restart(tiny_llama_path: Path, tmp_path: Path) -> None:
-    settings = tmp_path / "hicache_ext.json"
-    settings.write_text(
-        json.dumps({"chunk_disk_dir": str(tmp_path / "disk"), "chunk_codec": "int8"})
-    )
-    config = ServerConfig(
-        model_path=str(tiny_llama_path),
-        port=free_port(),
-        max_total_tokens=2048,
-        env={"SGLANG_HICACHE_EXT_CONFIG": str(settings)},
-    )
+    settings = {"chunk_disk_dir": str(tmp_path / "disk"), "chunk_codec": "int8"}
+    config = small_server(tiny_llama_path, tmp_path, settings)
     with running_server(config, log_path=tmp_path / "first.log"):
         for codec, message in [
             ("zstd", "unknown codec 'zstd'; stored chunks take int8 or int4"),

@@ -11,13 +11,11 @@ launch stops the launch in one line.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_servers
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
 from tests.test_preflight import _assert_clear_error, refused_launch
@@ -35,16 +33,10 @@ RATIO = 0.5
 def _config(
     model: Path, tmp_path: Path, name: str, master: str, segment_bytes: int
 ) -> ServerConfig:
-    settings = tmp_path / f"{name}.json"
-    settings.write_text(
-        json.dumps({"chunk_mooncake_master": master, "chunk_mooncake_segment_bytes": segment_bytes})
-    )
+    settings = {"chunk_mooncake_master": master, "chunk_mooncake_segment_bytes": segment_bytes}
     return ServerConfig(
-        model_path=str(model),
-        port=free_port(),
-        max_total_tokens=2048,
-        env={CONFIG_ENV_VAR: str(settings)},
-    )
+        model_path=str(model), port=free_port(), max_total_tokens=2048
+    ).with_settings(tmp_path / f"{name}.json", settings)
 
 
 def _register(url: str, text: str) -> dict:
@@ -122,10 +114,8 @@ def test_two_servers_share_chunks_and_survive_the_master(
 
 def test_launch_with_the_master_not_listening(tiny_llama_path: Path, tmp_path: Path) -> None:
     closed = f"127.0.0.1:{free_port()}"
-    settings = tmp_path / "ext.json"
-    settings.write_text(json.dumps({"chunk_mooncake_master": closed}))
-    config = ServerConfig(
-        model_path=str(tiny_llama_path), port=free_port(), env={CONFIG_ENV_VAR: str(settings)}
+    config = ServerConfig(model_path=str(tiny_llama_path), port=free_port()).with_settings(
+        tmp_path / "ext.json", {"chunk_mooncake_master": closed}
     )
     result = refused_launch(config, tmp_path / "refused.log")
     _assert_clear_error(

@@ -6,7 +6,6 @@ nothing, and the periodic timer places again. Bad alpha / floor values are a 400
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -72,13 +71,11 @@ def _config(model: Path, tmp_path: Path, **settings: object) -> ServerConfig:
         "fusion_selector": "question_error",
         **settings,
     }
-    path.write_text(json.dumps(values))
     return ServerConfig(
         model_path=str(model),
         port=free_port(),
         max_total_tokens=2048,
-        env={"SGLANG_HICACHE_EXT_CONFIG": str(path)},
-    )
+    ).with_settings(path, values)
 
 
 def _assert_listing_is_the_placement(url: str, result: dict) -> None:

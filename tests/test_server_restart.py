@@ -6,7 +6,6 @@ the server was down is never used: the request reading it gets the normal prefil
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -36,6 +35,12 @@ DOCUMENTS = [
 ]
 PROMPT = "Documents:\n" + "\n".join(DOCUMENTS[::-1]) + "\nQuestion: which entry is oldest?\nAnswer:"
 DAMAGED = "Record tides: " + " ".join(f"the tide {i} rose at {i % 12} o'clock." for i in range(12))
+
+
+def small_server(model: Path, folder: Path, settings: dict[str, object]) -> ServerConfig:
+    """`model` over a 2,048-token pool, with the extension's `settings` (written in `folder`)."""
+    config = ServerConfig(model_path=str(model), port=free_port(), max_total_tokens=2048)
+    return config.with_settings(folder / "hicache_ext.json", settings)
 
 
 # Tuned ratios of this test (a real table comes from `tuning.ratio tune`): disk loads cost more.
@@ -80,26 +85,16 @@ def _wait_until_promoted(url: str, ids: list[str], timeout_s: float = 60.0) -> N
 
 
 def test_restart_one_second_after_kill_9(tiny_llama_path: Path, tmp_path: Path) -> None:
-    settings = tmp_path / "hicache_ext.json"
     table = RatioTable(
         tiny_llama_path.name,
         {tier: TunedRatio(r, r, 0.15, 1.0, "test") for tier, r in RATIOS.items()},
     )
     table.save(tmp_path / "ratios.json")
-    settings.write_text(
-        json.dumps(
-            {
-                "chunk_disk_dir": str(tmp_path / "chunk-disk"),
-                "fusion_ratio_table": str(tmp_path / "ratios.json"),
-            }
-        )
-    )
-    config = ServerConfig(
-        model_path=str(tiny_llama_path),
-        port=free_port(),
-        max_total_tokens=2048,
-        env={"SGLANG_HICACHE_EXT_CONFIG": str(settings)},
-    )
+    settings = {
+        "chunk_disk_dir": str(tmp_path / "chunk-disk"),
+        "fusion_ratio_table": str(tmp_path / "ratios.json"),
+    }
+    config = small_server(tiny_llama_path, tmp_path, settings)
     with running_server(config, log_path=tmp_path / "first.log"):
         ids = []
         for document in DOCUMENTS:

@@ -44,21 +44,40 @@ def _dense_bytes_per_token(model_path: Path) -> int:
 @pytest.fixture(scope="module")
 def server(tiny_smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("retention_pressure")
-    settings = workdir / "settings.json"
     budget = BUDGET_TOKENS * _dense_bytes_per_token(tiny_smollm2_path)
-    settings.write_text(
-        json.dumps({"auto_chunks": True, "fusion_by_default": True, "chunk_store_bytes": budget})
-    )
+    settings = {"auto_chunks": True, "fusion_by_default": True, "chunk_store_bytes": budget}
     config = ServerConfig(
         model_path=str(tiny_smollm2_path),
         port=free_port(),
         max_total_tokens=20_000,
         # Prompts and captures span several prefill rounds.
         extra_args=("--chunked-prefill-size", "256"),
-        env={"SGLANG_HICACHE_EXT_CONFIG": str(settings)},
-    )
+    ).with_settings(workdir / "settings.json", settings)
     with running_server(config, log_path=workdir / "server.log") as running:
         yield running.url
+
+
+Prompt = tuple[list[str], str]
+
+
+def twin_prompts(
+    fresh: list[str], pairs: int, seed: int
+) -> tuple[list[Prompt], list[tuple[list[str], str, dict[str, Any]]]]:
+    """`pairs` random (seen, new) pairs of documents, `fresh[:6]` seen and `fresh[6:12]` new,
+    each asked twice, the second time in the other order: the prompts, and as jobs with the
+    request's custom params, the first fused at ratio 1 and the second with fusion off."""
+    chosen = random.Random(seed).sample([(s, n) for s in range(6) for n in range(6, 12)], pairs)
+    prompts = [
+        (docs, f"What is document {1 + n % 2} about?")
+        for n, (i, j) in enumerate(chosen)
+        for docs in ([fresh[i], fresh[j]], [fresh[j], fresh[i]])
+    ]
+    ratio_one = {"fusion_selector": "full", "fusion_recompute_ratio": 1.0}
+    jobs = [
+        (*prompt, ratio_one if n % 2 == 0 else {"fusion": False})
+        for n, prompt in enumerate(prompts)
+    ]
+    return prompts, jobs
 
 
 def _body(documents: list[str], question: str, custom: dict[str, Any], **extra: Any) -> dict:
@@ -111,17 +130,7 @@ def test_burst_under_pressure_equals_one_by_one_and_leaves_no_pin(server: str) -
         seeded["auto_chunks"],
         seeded["chunks"],
     )
-    pairs = random.Random(7).sample([(s, n) for s in range(6) for n in range(6, 12)], 6)
-    prompts = [
-        (documents, f"What is document {1 + k % 2} about?")
-        for k, (i, j) in enumerate(pairs)
-        for documents in ([fresh[i], fresh[j]], [fresh[j], fresh[i]])
-    ]
-    ratio_one = {"fusion_selector": "full", "fusion_recompute_ratio": 1.0}
-    jobs = [
-        (*prompt, ratio_one if k % 2 == 0 else {"fusion": False})
-        for k, prompt in enumerate(prompts)
-    ]
+    prompts, jobs = twin_prompts(fresh, 6, seed=7)
     dropped = [(fresh[k : k + 4], f"Tell everything about {k}.") for k in range(4)]
     with ThreadPoolExecutor(max_workers=len(jobs) + len(dropped)) as pool:
         abandoned = [pool.submit(_abandoned, server, *job) for job in dropped]

@@ -9,7 +9,6 @@ request run alone, and at r = 1 the normal prefill's.
 from __future__ import annotations
 
 import itertools
-import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,17 +34,13 @@ def _prompts() -> list[str]:
 def test_concurrent_streamed_requests_equal_one_by_one(
     tiny_llama_path: Path, tmp_path: Path
 ) -> None:
-    settings = tmp_path / "hicache_ext.json"
-    settings.write_text(
-        json.dumps({"chunk_disk_dir": str(tmp_path / "chunks"), "chunk_store_bytes": 1})
-    )
+    settings = {"chunk_disk_dir": str(tmp_path / "chunks"), "chunk_store_bytes": 1}
     config = ServerConfig(
         model_path=str(tiny_llama_path),
         port=free_port(),
         max_total_tokens=4096,
         extra_args=("--chunked-prefill-size", "128"),
-        env={"SGLANG_HICACHE_EXT_CONFIG": str(settings)},
-    )
+    ).with_settings(tmp_path / "hicache_ext.json", settings)
     with running_server(config, log_path=tmp_path / "server.log"):
         for document in DOCUMENTS:
             response = requests.post(config.url + "/chunks", json={"text": document}, timeout=120)

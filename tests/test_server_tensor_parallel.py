@@ -13,7 +13,6 @@ documents and fuses them on its second sight, and A's chunks survive A's restart
 from __future__ import annotations
 
 import dataclasses
-import json
 import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +20,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     flush_cache,
@@ -50,14 +48,13 @@ def _prompt(order: tuple[int, ...]) -> str:
 
 
 def _config(model: Path, settings: Path, extra: dict[str, object], *flags: str) -> ServerConfig:
-    settings.write_text(json.dumps(extra))
     return ServerConfig(
         model_path=str(model),
         port=free_port(),
         max_total_tokens=4096,
         extra_args=("--tp-size", "2", *flags),
-        env={**TP2_ENV, CONFIG_ENV_VAR: str(settings)},
-    )
+        env=TP2_ENV,
+    ).with_settings(settings, extra)
 
 
 def _exact(url: str, prompt: str) -> tuple[dict, dict]:

@@ -7,6 +7,7 @@ group, so stopping it (or an exception in the caller) leaves no process behind.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 
 import psutil
 import requests
+
+from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 
 
 class ServerStartError(RuntimeError):
@@ -117,6 +120,12 @@ class ServerConfig:
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.hicache_storage_dir
         env.update(self.env)
         return env
+
+    def with_settings(self, path: Path, values: Mapping[str, Any]) -> ServerConfig:
+        """This config with the extension's settings `values`: written as JSON to `path`, which
+        `SGLANG_HICACHE_EXT_CONFIG` names to the server."""
+        path.write_text(json.dumps(values))
+        return dataclasses.replace(self, env={**self.env, CONFIG_ENV_VAR: str(path)})
 
     @property
     def url(self) -> str:
