@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from benchmarks.smollm2_server import MODEL, server_benchmark_parser, smollm2_server, write_json
 from sglang_hicache_ext.evaluation.answer_quality import embedding_similarity, f1_score
-from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotqa
+from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
 from sglang_hicache_ext.sglang_ext.server.launcher import flush_cache
 from sglang_hicache_ext.sglang_ext.tools.streaming_client import stream_generate
@@ -55,12 +55,6 @@ def modes() -> dict[str, dict[str, object]]:
             "fusion_sink_tokens": sinks,
         }
     return table
-
-
-def documents_of(example: HotpotQAExample, limit: int) -> list[str]:
-    supporting = [d for d in example.documents if d.split(":", 1)[0] in example.supporting_titles]
-    others = [d for d in example.documents if d not in supporting]
-    return (supporting + others)[:limit]
 
 
 def chat_prefix() -> str:
@@ -165,7 +159,7 @@ def main() -> int:
             missing = [m for m in table if previous_row is None or m not in previous_row]
             if not missing:
                 continue
-            documents = documents_of(example, args.documents)
+            documents = example.context(args.documents)
             register_documents(config.url, documents)
             shuffled = random.Random(example.qid).sample(documents, len(documents))
             prompt = chatml_prompt(shuffled, example.question)

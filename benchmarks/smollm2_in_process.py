@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.fusion_quality import chatml_prompt, documents_of
+from benchmarks.fusion_quality import chatml_prompt
 from benchmarks.smollm2_server import smollm2_path, smollm2_tokenizer
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
 from sglang_hicache_ext.fusion import precompute_chunk
@@ -30,7 +30,7 @@ def question_segments(
     example: HotpotQAExample, tokenizer: Any, adapter: ModelAdapter, documents: int = 6
 ) -> list[Segment]:
     """Same prompt as benchmarks/fusion_quality.py: shuffled paragraphs, each a precomputed chunk."""
-    paragraphs = documents_of(example, documents)
+    paragraphs = example.context(documents)
     shuffled = random.Random(example.qid).sample(paragraphs, len(paragraphs))
     ids = tokenizer.encode(chatml_prompt(shuffled, example.question), add_special_tokens=False)
     registry = ChunkRegistry(2**31, adapter.rope_specs())

