@@ -2,8 +2,9 @@
 
 Starts `python -m sglang.launch_server` with `--radix-cache-backend hicache_ext`, HiCache (host
 tier + file tier) and the `torch_position` CPU attention backend on Qwen2.5-Coder-0.5B-Instruct
-(a model small enough for two cores that can answer; `--model smollm2` for SmolLM2-135M), registers the HotpotQA paragraphs as chunks (each computed after the program's system prompt and
-chat header, as it is served), runs the `sgl.function` RAG program of examples/rag_pipeline.py
+(a model small enough for two cores that can answer; `--model smollm2` for SmolLM2-135M),
+registers each question's HotpotQA paragraphs (its supporting ones and distractors) as chunks
+(each computed after the program's system prompt and chat header, as it is served), runs the `sgl.function` RAG program of examples/rag_pipeline.py
 with the paragraphs shuffled in the prompt, once with chunk fusion (the server's defaults,
 docs/fusion-quality.md: the ratio "auto" with a token-agreement target) and once with SGLang's
 normal prefill, prints TTFT and answers side by side, the ratio the server chose and whether the
@@ -49,7 +50,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen-coder")
     parser.add_argument("--questions", type=int, default=4)
-    parser.add_argument("--documents", type=int, default=6, help="HotpotQA paragraphs per prompt")
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=6,
+        help="HotpotQA paragraphs per prompt, the supporting ones among them",
+    )
     defaults = ExtensionSettings()
     parser.add_argument("--selector", default=defaults.fusion_selector)
     parser.add_argument(
