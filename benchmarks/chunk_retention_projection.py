@@ -28,10 +28,11 @@ from benchmarks.piece_traces import (
     Trace,
     label_mixes,
     mix_key,
+    redo_saved_report,
     trace_arguments,
     write_trace_report,
 )
-from benchmarks.smollm2_server import report_header, write_json
+from benchmarks.smollm2_server import report_header
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.tuning.sim.fused_serving import FusedPrefillTimes, Load, fifo_ttfts
 
@@ -155,6 +156,18 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     return out
 
 
+def resummarise(report: dict[str, Any]) -> None:
+    """A saved run's ratios and ranges again, from its times (`--summary-only`)."""
+    for name, index in (("synthetic", "by_mix"), ("mooncake", "by_budget")):
+        rows = report.get(name, {}).get("rows", [])
+        for row in rows:
+            for rule in RULES:
+                row[rule] = ratios(row[rule], report["load"])
+        if rows:
+            report[name][index] = {mix_key(row): row for row in rows}
+    summarise(report)
+
+
 def main() -> None:
     parser = trace_arguments(__doc__.split("\n")[0], "0.25,0.5", "0.1,0.25")
     parser.add_argument("--gpu-report", type=Path, default=GPU_REPORT)
@@ -170,21 +183,7 @@ def main() -> None:
         "--summary-only", action="store_true", help="redo --out's ratios and ranges from its times"
     )
     args = parser.parse_args()
-    if args.plot_only:
-        print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
-        return
-    if args.summary_only:
-        report = json.loads(args.out.read_text())
-        for name, index in (("synthetic", "by_mix"), ("mooncake", "by_budget")):
-            rows = report.get(name, {}).get("rows", [])
-            for row in rows:
-                for rule in RULES:
-                    row[rule] = ratios(row[rule], report["load"])
-            if rows:
-                report[name][index] = {mix_key(row): row for row in rows}
-        summarise(report)
-        write_json(args.out, report)
-        print(args.out, plot(report, args.out.with_suffix(".png")))
+    if redo_saved_report(args, plot, resummarise):
         return
     if not 0 < args.load < 1:
         parser.error(f"--load must be in (0, 1), got {args.load}")

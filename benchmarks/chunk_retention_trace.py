@@ -19,7 +19,6 @@ Arms, all with the default admission (`chunk_admission: "adaptive"`):
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,13 +27,14 @@ from benchmarks.chunk_admission_trace import RESULTS, SKETCH_ENTRIES
 from benchmarks.piece_traces import (
     Trace,
     label_mixes,
+    redo_saved_report,
     reusable_tokens,
     run_belady,
     trace_arguments,
     write_trace_report,
 )
 from benchmarks.run_figures import save_run_figure
-from benchmarks.smollm2_server import report_header, write_json
+from benchmarks.smollm2_server import report_header
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.tiers.chunks.admission import FrequencyAdmission
 from sglang_hicache_ext.tiers.chunks.host_cache import HostCacheFullError, HostChunkCache
@@ -212,13 +212,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "chunk_retention_trace.json")
     parser.add_argument("--summary-only", action="store_true", help="redo --out's summary")
     args = parser.parse_args()
-    if args.plot_only:
-        print(plot(json.loads(args.out.read_text()), args.out.with_suffix(".png")))
-        return
-    if args.summary_only:
-        report = json.loads(args.out.read_text())
-        summarise(report)
-        write_json(args.out, report)
+    if redo_saved_report(args, plot, summarise):
         return
     kv = args.kv_bytes_per_token
     report: dict[str, Any] = {

@@ -219,6 +219,23 @@ def label_mixes(axis: Any, rows: list[dict[str, Any]], **labels: Any) -> None:
     axis.legend(fontsize=7)
 
 
+def redo_saved_report(
+    args: argparse.Namespace,
+    plot: Callable[[dict[str, Any], Path], Path],
+    summarise: Callable[[dict[str, Any]], None] | None = None,
+) -> bool:
+    """`--plot-only`: redraw `--out`'s figure; `--summary-only` (when `summarise` is given):
+    redo its summary in place, write it and redraw. False when neither was asked."""
+    if not (args.plot_only or (summarise is not None and args.summary_only)):
+        return False
+    report = json.loads(args.out.read_text())
+    if not args.plot_only and summarise is not None:
+        summarise(report)
+        write_json(args.out, report)
+    print(args.out, plot(report, args.out.with_suffix(".png")))
+    return True
+
+
 def write_trace_report(
     report: dict[str, Any],
     args: argparse.Namespace,

@@ -23,8 +23,6 @@ from typing import Any, Protocol
 import psutil
 import requests
 
-from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
-
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message carries its log tail."""
@@ -124,6 +122,10 @@ class ServerConfig:
     def with_settings(self, path: Path, values: Mapping[str, Any]) -> ServerConfig:
         """This config with the extension's settings `values`: written as JSON to `path`, which
         `SGLANG_HICACHE_EXT_CONFIG` names to the server."""
+        # Lazy: the settings model costs ~0.5 s to import, which the launcher's other users
+        # (the demo, every benchmark and test process) need not pay.
+        from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
+
         path.write_text(json.dumps(values))
         return dataclasses.replace(self, env={**self.env, CONFIG_ENV_VAR: str(path)})
 
