@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,13 +34,21 @@ class ChunkRegistrationError(RuntimeError):
 
 
 def register_documents(
-    url: str, documents: Sequence[str], timeout_s: float = 600.0, prefix: str | None = None
+    url: str,
+    documents: Sequence[str],
+    timeout_s: float = 600.0,
+    prefix: str | None = None,
+    in_flight: int = 8,
 ) -> list[RegisteredChunk]:
-    """POST each document to `/chunks` (idempotent); returns their ids in order. `prefix`: the
-    text the documents are computed after (the prompts' system prompt and chat header; None:
-    the server's setting chunk_prefix)."""
-    registered = []
-    for document in documents:
+    """POST each document to `/chunks` (idempotent); returns their ids in the documents' order.
+    `prefix`: the text the documents are computed after (the prompts' system prompt and chat
+    header; None: the server's setting chunk_prefix). Up to `in_flight` registrations are sent
+    at once, so the server prefills them in batches (docs/fusion-sglang.md); a refusal raises
+    ChunkRegistrationError (the first in the documents' order) once the others have answered."""
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+
+    def register(document: str) -> RegisteredChunk:
         body: dict[str, Any] = {"text": document}
         if prefix is not None:
             body["prefix"] = prefix
@@ -48,9 +57,11 @@ def register_documents(
             raise ChunkRegistrationError(
                 f"/chunks answered {response.status_code}: {response.text}"
             )
-        body = response.json()
-        registered.append(RegisteredChunk(body["id"], body["num_tokens"], body["created"]))
-    return registered
+        answer = response.json()
+        return RegisteredChunk(answer["id"], answer["num_tokens"], answer["created"])
+
+    with ThreadPoolExecutor(max_workers=min(in_flight, max(len(documents), 1))) as pool:
+        return list(pool.map(register, documents))
 
 
 def wait_for_shadow_check(url: str, rid: str, timeout_s: float = 900.0) -> dict[str, Any] | None:

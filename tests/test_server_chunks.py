@@ -85,6 +85,35 @@ def test_register_capture_list_delete(hicache_server, tiny_smollm2_path: Path) -
     assert requests.get(f"{url}/chunks/{chunk_id}", timeout=30).status_code == 404
 
 
+def test_documents_registered_at_once_are_each_exact(
+    hicache_server, tiny_smollm2_path: Path
+) -> None:
+    """Registrations posted together (the frontend sends several at once, and their chunk
+    lookups share control calls, so the scheduler prefills them in one batch) each store their
+    own document's pre-RoPE keys, and come back in the documents' order."""
+    from transformers import AutoTokenizer
+
+    from sglang_hicache_ext.fusion.chunk import chunk_hash
+    from sglang_hicache_ext.sglang_ext.frontend import register_documents
+
+    url = hicache_server.url
+    tokenizer = AutoTokenizer.from_pretrained(tiny_smollm2_path)
+    documents = [
+        f"{DOCUMENT} Registered together, number {i}: {'word ' * (3 * i)}" for i in range(6)
+    ]
+    chunks = register_documents(url, documents, in_flight=6)
+    token_ids = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
+    assert [c.id for c in chunks] == [chunk_hash(ids) for ids in token_ids]
+    assert [c.created for c in chunks] == [True] * 6
+    again = register_documents(url, documents[::-1], in_flight=6)
+    assert [c.id for c in again] == [c.id for c in chunks][::-1]
+    assert [c.created for c in again] == [False] * 6
+    for chunk, ids in zip(chunks, token_ids, strict=True):
+        reference = _hf_pre_rope_keys(tiny_smollm2_path, ids)
+        _assert_probe_matches(url, chunk.id, reference, len(reference) - 1, len(ids) - 1)
+        assert requests.delete(f"{url}/chunks/{chunk.id}", timeout=30).status_code == 200
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -85,6 +85,9 @@ def chunk_control(
                 registry, str(body["id"]), int(body["probe_layer"]), int(body["probe_token"])
             )
         return [{"chunk": info}]
+    if name == "describe_chunks":  # the HTTP process's coalesced lookups (`ChunkLookups`)
+        ids = [str(chunk_id) for chunk_id in body.get("ids", [])]
+        return [{"chunks": {chunk_id: describe_chunk(registry, chunk_id) for chunk_id in ids}}]
     if name.startswith("placement."):
         return [registry.placement.handle(name[len("placement.") :], body)]
     if name == "delete_chunk":

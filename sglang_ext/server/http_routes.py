@@ -116,7 +116,7 @@ async def register_chunk(request: Request) -> JSONResponse:
         return refused_response(err)
     chunk_id = chunk_hash(ids)
     try:
-        known = (await control("describe_chunk", {"id": chunk_id})).get("chunk")
+        known = await limits.chunk_lookups.describe(chunk_id)
         if known is not None:
             refusal = _conflict(known, body, codec, prefix_id(prefix))
             if refusal is not None:
@@ -139,7 +139,7 @@ async def register_chunk(request: Request) -> JSONResponse:
             registering_chunk.reset(token)
         deadline = asyncio.get_running_loop().time() + _CAPTURE_TIMEOUT_S
         while asyncio.get_running_loop().time() < deadline:
-            stored = (await control("describe_chunk", {"id": chunk_id})).get("chunk")
+            stored = await limits.chunk_lookups.describe(chunk_id)
             if stored is not None:
                 return JSONResponse({**stored, "created": True})
             await asyncio.sleep(_CAPTURE_POLL_S)

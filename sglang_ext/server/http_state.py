@@ -2,7 +2,7 @@
 
 Built in one place (`http_state`), on the first request that needs it, and attached to SGLang's
 tokenizer manager, whose lifetime is the server's: the settings the server was launched with
-(validated at launch, read once), the `POST /chunks` rate limiter, the shadow checks, the
+(validated at launch, read once), the `POST /chunks` rate limiter and chunk lookups, the shadow checks, the
 placement rounds and the fused-TTFT series. The routes and the tokenizer manager's hooks reach it through the manager they are
 given (`control_routes.tokenizer_manager()` for the routes).
 """
@@ -14,6 +14,7 @@ from typing import Any
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.config.settings_sources import load_settings
 from sglang_hicache_ext.sglang_ext.metrics.http_process_metrics import FusedTtftMetrics
+from sglang_hicache_ext.sglang_ext.server.control_routes import ChunkLookups
 from sglang_hicache_ext.sglang_ext.server.placement_round import PlacementRounds
 from sglang_hicache_ext.sglang_ext.server.request_limits import RateLimiter
 from sglang_hicache_ext.sglang_ext.server.shadow_checks import ShadowChecks
@@ -31,6 +32,8 @@ class HttpProcessState:
             settings.chunk_registrations_per_minute, "chunk_registrations_per_minute"
         )
         self.shadow_checks = ShadowChecks(manager, settings)
+        # Registrations posted together ask the scheduler about their chunks in one call.
+        self.chunk_lookups = ChunkLookups()
         # The placement's profiles and rounds (`POST /hicache_ext/placement`, the timer's).
         self.placement_rounds = PlacementRounds()
         self._manager = manager
