@@ -8,6 +8,8 @@ options), each followed by modifiers joined with `+`:
 - `layers<a>-<b>`: the scoring layers of `question_attention`, as fractions of the depth;
 - `wholeprompt`: `question_attention`'s scoring pass reads every token of the prompt (the new
   text between the chunks too) instead of the chunks and the question;
+- `wholequestion`: that pass reads all the text after the last chunk (the question when none is
+  marked) instead of its last `SCORING_QUESTION_TOKENS`;
 - `prefix`: chunks precomputed after the prompt's system prompt and chat header instead of
   alone (`fusion/precompute.py`);
 - `traffic`: chunks captured from traffic as the server's `auto_chunks` does: the pieces
@@ -84,6 +86,8 @@ def parse_method(method: str) -> Method:
             options["layers"] = (float(start), float(end))
         elif modifier == "wholeprompt":
             options["whole_prompt"] = True
+        elif modifier == "wholequestion":
+            options["question_tokens"] = None
         elif modifier == "prefix":
             prefix = True
         elif modifier == "traffic":

@@ -123,7 +123,9 @@ def _scoring_pass(
     scoring_segments = [
         None
         if state.selector.scoring_reads_whole_prompt
-        else question_over_chunks(state.layout, state.prefix_len)
+        else question_over_chunks(
+            state.layout, state.prefix_len, state.selector.scoring_question_tokens
+        )
         for state in states
     ]
     passes = [

@@ -97,13 +97,26 @@ def after_exact_prefix(segments: Sequence[Segment], prefix_len: int) -> list[Seg
 _ATTENTION_SINK = 4
 
 
-def question_over_chunks(layout: RequestLayout, prefix_len: int) -> list[Segment] | None:
-    """What a scoring pass reads of a request: its chunks in order, its question, its exact
-    prefix and its first tokens (the prompt's attention sink), as segments; the other text,
-    which the prefill computes anyway, is left out. None when nothing would be. The chunk
-    tokens are the request's, in the same order, so the question's attention to them scores
-    the request's own chunk tokens one for one."""
-    keep = layout.is_chunk | layout.is_question
+# How many of the question's last tokens a scoring pass reads by default. A prompt without an
+# explicit question takes all the text after its last chunk as one, and that text is often more
+# context (new paragraphs) before the question: read whole, a prompt whose last paragraphs were
+# new spent most of its fused prefill in the scoring pass (docs/fusion-quality.md).
+SCORING_QUESTION_TOKENS = 96
+
+
+def question_over_chunks(
+    layout: RequestLayout, prefix_len: int, question_tokens: int | None = SCORING_QUESTION_TOKENS
+) -> list[Segment] | None:
+    """What a scoring pass reads of a request: its chunks in order, the last `question_tokens`
+    of its question (None: all of it), its exact prefix and its first tokens (the prompt's
+    attention sink), as segments; the other text, which the prefill computes anyway, is left
+    out. None when nothing would be. The chunk tokens are the request's, in the same order, so
+    the question's attention to them scores the request's own chunk tokens one for one."""
+    question_at = torch.nonzero(layout.is_question).flatten()
+    if question_tokens is not None:
+        question_at = question_at[len(question_at) - min(question_tokens, len(question_at)) :]
+    keep = layout.is_chunk.clone()
+    keep[question_at] = True
     keep[: max(prefix_len, _ATTENTION_SINK)] = True
     if bool(keep.all()):
         return None

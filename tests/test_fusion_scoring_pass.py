@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from sglang_hicache_ext.fusion.executor import fused_prefill
-from sglang_hicache_ext.fusion.request import TextSegment, build_layout
+from sglang_hicache_ext.fusion.request import (
+    SCORING_QUESTION_TOKENS,
+    TextSegment,
+    build_layout,
+)
 from sglang_hicache_ext.fusion.rope import apply_rope
 from sglang_hicache_ext.fusion.selectors import make_selector
 from tests.test_fusion_executor import FAMILIES, _ids, _rag_request
@@ -63,4 +67,25 @@ def test_scoring_pass_reads_the_chunks_and_the_question_only(models: dict, famil
     extra = len(new_text.token_ids)
     assert [a - b for a, b in zip(*(r.computed_tokens for r in fused), strict=True)] == [
         extra
+    ] * adapter.shape.num_layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scoring_pass_reads_the_end_of_a_long_question(models: dict, family: str) -> None:
+    """Text after the last chunk is the question when none is marked; when it is longer than
+    SCORING_QUESTION_TOKENS (new paragraphs before the question) the scoring pass reads its
+    end only: the selection is that of the same chunks followed by those last tokens alone,
+    and the prefill computes the whole tail at every layer."""
+    adapter = models[family]
+    glued, _ = _rag_request(adapter)
+    tail = tuple(_ids(13, SCORING_QUESTION_TOKENS + 50))
+    long_tail = [*glued[:4], TextSegment(tail)]
+    its_end = [*glued[:4], TextSegment(tail[-SCORING_QUESTION_TOKENS:])]
+    assert int(build_layout(long_tail).is_question.sum()) == len(tail)
+    selector = make_selector("question_attention", 0.3)
+    fused = [fused_prefill(adapter, segments, selector) for segments in (long_tail, its_end)]
+    assert fused[0].selected.numel() > 0
+    assert torch.equal(fused[0].selected, fused[1].selected)
+    assert [a - b for a, b in zip(*(r.computed_tokens for r in fused), strict=True)] == [
+        50
     ] * adapter.shape.num_layers

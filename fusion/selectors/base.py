@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from sglang_hicache_ext.fusion.request import RequestLayout
+from sglang_hicache_ext.fusion.request import SCORING_QUESTION_TOKENS, RequestLayout
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,8 +90,10 @@ class Selector(ABC):
         )
 
     # With scoring layers: whether the scoring pass reads the prompt's new text besides the
-    # chunks and the question (`fusion/executor.py`).
+    # chunks and the question, and how many of the question's last tokens it reads (None: all;
+    # `fusion/request.py`, `question_over_chunks`).
     scoring_reads_whole_prompt = False
+    scoring_question_tokens: int | None = SCORING_QUESTION_TOKENS
 
     def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers whose question attention a scoring pass must measure (none: no pass)."""
