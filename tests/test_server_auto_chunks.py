@@ -203,10 +203,10 @@ def test_a_mostly_new_prompt_gets_the_normal_prefill_and_its_paragraphs_are_kept
         f"Log {i}: the ferry from pier {i * 37 % 11} carried {i * 13 % 50} cars, {i * 7 % 40} "
         f"vans and {i % 9} trucks across the bay on day {i * 3 % 28} of the month; the harbour "
         "master signed the manifest and the crew logged the weather as calm and the sea as flat."
-        for i in range(40)
+        for i in range(80)
     ]
     half = ExtensionSettings().fusion_min_matched_share / 2  # by characters: a margin
-    new = logs[: next(n for n in range(4, 40) if len(seen) < half * sum(map(len, logs[:n])))]
+    new = logs[: next(n for n in range(4, 80) if len(seen) < half * sum(map(len, logs[:n])))]
     text = "\n\n".join([*new[:2], seen, *new[2:]]) + "\n\nQuestion: which day?"
     before = _stats(url)
     body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
