@@ -271,6 +271,9 @@ def chunked_prefill_server(
         # kept for their documents would change the later ones, by design
         # (tests/test_server_auto_chunks.py tests that).
         "fusion_shadow_refresh": False,
+        # The mix's below-break-even requests hold a document in about a quarter of their
+        # tokens: under this share, above none of its fused requests' (tests/test_server_concurrency.py).
+        "fusion_min_matched_share": 0.3,
     }
     config = ServerConfig(
         model_path=str(tiny_smollm2_path),
