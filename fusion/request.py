@@ -114,7 +114,7 @@ def question_over_chunks(
     the question's attention to them scores the request's own chunk tokens one for one."""
     question_at = torch.nonzero(layout.is_question).flatten()
     if question_tokens is not None:
-        question_at = question_at[len(question_at) - min(question_tokens, len(question_at)) :]
+        question_at = question_at[-question_tokens:]  # >= 1: the selector checks it
     keep = layout.is_chunk.clone()
     keep[question_at] = True
     keep[: max(prefix_len, _ATTENTION_SINK)] = True
