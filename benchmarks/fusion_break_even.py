@@ -20,7 +20,7 @@ fused arm's paired ratio falls to the fallback arm's (linear between the two poi
 below it the fallback is the faster one, which is what `fusion_min_matched_share` decides. Each
 arm is paired with its own fusion-off requests, so drift between the two runs cancels.
 
-    python -m benchmarks.fusion_break_even [--repeats 5 --per-request 6]
+    python -m benchmarks.fusion_break_even [--repeats 5 --per-request 6 --seen 0,1,2]
 -> benchmarks/results/fusion_break_even.json and .png (`--summary-only` summarises and redraws
 the rows of a run)
 """
@@ -46,16 +46,22 @@ from examples.openai_rag import SYSTEM, ask
 ARMS = {"fused": 0.0, "fallback": 1.0}  # fusion_min_matched_share of each arm
 
 
-def prompts(per_request: int, repeats: int) -> tuple[list[str], list[tuple[int, list[str]]]]:
-    """The pool asked first, and (seen, paragraphs) of every measured prompt, in order."""
+def prompts(
+    per_request: int, repeats: int, seen_counts: list[int] | None = None
+) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """The pool asked first, and (seen, paragraphs) of every measured prompt, in order; `seen`
+    takes each of `seen_counts` (default 0 to `per_request`)."""
     rng = random.Random(2026)
-    fresh_needed = repeats * sum(per_request - seen for seen in range(per_request + 1))
+    counts = list(range(per_request + 1)) if seen_counts is None else seen_counts
+    if not all(0 <= seen <= per_request for seen in counts):
+        raise SystemExit(f"--seen: counts must lie in [0, {per_request}], got {counts}")
+    fresh_needed = repeats * sum(per_request - seen for seen in counts)
     pool_size = 2 * per_request
     corpus, _ = corpus_of(pool_size + fresh_needed)
     pool, fresh = corpus[:pool_size], iter(corpus[pool_size:])
     measured: list[tuple[int, list[str]]] = []
     for _ in range(repeats):
-        order = list(range(per_request + 1))
+        order = list(counts)
         rng.shuffle(order)
         for seen in order:
             docs = rng.sample(pool, seen) + [next(fresh) for _ in range(per_request - seen)]
@@ -120,7 +126,12 @@ def by_seen(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def summarise(arms: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {arm: by_seen(rows) for arm, rows in arms.items()}
     if "fused" in summary and "fallback" in summary:
-        summary["break_even_matched_share"] = break_even(summary["fused"], summary["fallback"])
+        share = break_even(summary["fused"], summary["fallback"])
+        summary["break_even_matched_share"] = share
+        # Fused already the faster arm at the lowest share measured: the crossing lies below.
+        summary["break_even_below_lowest_share"] = share is not None and share == min(
+            point["matched_share"] for point in summary["fused"].values() if point["fused_prompts"]
+        )
     return summary
 
 
@@ -159,7 +170,8 @@ def plot(report: dict[str, Any], out: Any) -> Any:
     axes.axhline(1.0, linestyle="--", color="grey")
     share = report["summary"].get("break_even_matched_share")
     if share is not None:
-        axes.axvline(share, linestyle=":", color="red", label=f"break-even {share:.2f}")
+        at_most = "<= " if report["summary"].get("break_even_below_lowest_share") else ""
+        axes.axvline(share, linestyle=":", color="red", label=f"break-even {at_most}{share:.2f}")
     axes.legend()
     axes.set(
         xlabel="prompt tokens matched to stored chunks (share, fused arm)",
@@ -172,6 +184,11 @@ def plot(report: dict[str, Any], out: Any) -> Any:
 def main() -> int:
     parser = server_benchmark_parser(__doc__ or "", "fusion_break_even.json")
     parser.add_argument("--per-request", type=int, default=6)
+    parser.add_argument(
+        "--seen",
+        type=lambda text: [int(count) for count in text.split(",")],
+        help="comma-separated numbers of seen paragraphs to measure (default: 0 to --per-request)",
+    )
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument(
         "--summary-only", action="store_true", help="summarise and redraw the rows of --out"
@@ -182,7 +199,7 @@ def main() -> int:
         kept["summary"] = summarise({arm: r["rows"] for arm, r in kept["arms"].items()})
         return write_report(kept, args.out, plot, kept["summary"].get("break_even_matched_share"))
     report: dict[str, Any] = report_header("benchmarks.fusion_break_even")
-    pool, measured = prompts(args.per_request, args.repeats)
+    pool, measured = prompts(args.per_request, args.repeats, args.seen)
     report["arms"] = {}
     for arm in args.arms.split(","):
         settings = {"fusion_by_default": True, "fusion_min_matched_share": ARMS[arm]}

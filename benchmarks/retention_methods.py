@@ -10,6 +10,8 @@ options), each followed by modifiers joined with `+`:
   text between the chunks too) instead of the chunks and the question;
 - `wholequestion`: that pass reads all the text after the last chunk (the question when none is
   marked) instead of its last `SCORING_QUESTION_TOKENS`;
+- `fullread`: that pass reads the question's last `SCORING_QUESTION_TOKENS` whatever the
+  request's reuse saves (no `SCORING_COST_SHARE` bound);
 - `prefix`: chunks precomputed after the prompt's system prompt and chat header instead of
   alone (`fusion/precompute.py`);
 - `traffic`: chunks captured from traffic as the server's `auto_chunks` does: the pieces
@@ -88,6 +90,8 @@ def parse_method(method: str) -> Method:
             options["whole_prompt"] = True
         elif modifier == "wholequestion":
             options["question_tokens"] = None
+        elif modifier == "fullread":
+            options["cost_share"] = None
         elif modifier == "prefix":
             prefix = True
         elif modifier == "traffic":

@@ -119,13 +119,12 @@ def _scoring_pass(
     selection (ProphetKV's first pass). The pass reads the chunks, the question and the exact
     prefix only (`question_over_chunks`, unless the selector asks for the whole prompt): the
     prompt's other new text, which the prefill computes at every layer anyway, would cost as
-    much again here. Costs about a pure-reuse prefill of those layers over the question."""
+    much again here. Costs about a pure-reuse prefill of those layers over the question's last
+    tokens, as many as the request's reuse affords (`Selector.scoring_question_read`)."""
     scoring_segments = [
         None
         if state.selector.scoring_reads_whole_prompt
-        else question_over_chunks(
-            state.layout, state.prefix_len, state.selector.scoring_question_tokens
-        )
+        else question_over_chunks(state.layout, state.prefix_len, state.scoring_question_tokens)
         for state in states
     ]
     passes = [

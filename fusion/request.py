@@ -103,6 +103,15 @@ _ATTENTION_SINK = 4
 # new spent most of its fused prefill in the scoring pass (docs/fusion-quality.md).
 SCORING_QUESTION_TOKENS = 96
 
+# The most a scoring pass's read of the question may cost, as a share of the compute the
+# request's reuse saves: a prompt that reuses one short paragraph saves little, and a full read
+# cost more than it saved (docs/auto-chunks.md, "When fusion does not pay").
+SCORING_COST_SHARE = 0.1
+# ... but never fewer than this many (when the question has them): the end of a prompt is the
+# chat template's few tokens and the question's last words, and a read of a dozen tokens lost
+# the answer's first token where 96 kept it (docs/fusion-quality.md).
+SCORING_MIN_QUESTION_TOKENS = 32
+
 
 def question_over_chunks(
     layout: RequestLayout, prefix_len: int, question_tokens: int | None = SCORING_QUESTION_TOKENS

@@ -119,13 +119,20 @@ class RequestState:
         if job.outputs_from is not None:
             always[job.outputs_from :] = True
         self.always = always
+        num_layers = adapter.shape.num_layers
+        # When the chunks' first tokens fill the budget the selection needs no scores, and no
+        # scoring pass runs (unless the fidelity signals, which it records, are asked for). A
+        # check layer still runs: the KV it computes for every token up to it is kept.
+        scored = self.selector.scores_decide(self.layout) or job.record_signals
         self.check_layer = self.selector.check_layer
+        self.scoring_layers = self.selector.scoring_layers(num_layers) if scored else ()
         fresh = self.selector.fresh_layers
         checked = -1 if self.check_layer is None else self.check_layer
         # Where the computation narrows to the selection (None: it starts narrow at layer 0).
-        narrow = max(checked, min(fresh, adapter.shape.num_layers) - 1)
+        narrow = max(checked, min(fresh, num_layers) - 1)
         self.narrow_layer = None if narrow < 0 else narrow
-        self.scoring_layers = self.selector.scoring_layers(adapter.shape.num_layers)
+        # How many of the question's last tokens the scoring pass reads (None: all).
+        self.scoring_question_tokens = self.selector.scoring_question_read(self.layout, num_layers)
         self.question_attention: torch.Tensor | None = None
         self.question_rows = 0  # softmax rows summed into question_attention (heads x queries)
         self.signals: dict[str, float] = {}

@@ -120,12 +120,13 @@ def test_scoring_pass_is_the_question_attention_over_the_reused_kv(
     models: dict, family: str
 ) -> None:
     """A chunk at position 0 reused is exact, so the scoring pass's question attention must be
-    the model's own attention probabilities, summed over its layers, heads and question rows."""
+    the model's own attention probabilities, summed over its layers, heads and question rows
+    (every question row read: no bound on the read's cost)."""
     adapter = models[family]
     ids = _ids(11, 48)
     chunk = precompute_chunk(adapter, ids[:32])
     segments = [ChunkSegment(chunk), TextSegment(tuple(ids[32:]), question=True)]
-    selector = _Recording(0.25, layers=(0.0, 1.0))
+    selector = _Recording(0.25, layers=(0.0, 1.0), cost_share=None)
     result = fused_prefill(adapter, segments, selector)
     attentions = _hf_attentions(adapter, ids)
     expected = sum(probs[0][:, 32:, :32].sum(dim=(0, 1)) for probs in attentions)

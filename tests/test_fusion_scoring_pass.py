@@ -5,9 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_hicache_ext.fusion.executor import fused_prefill
+from sglang_hicache_ext.fusion.executor import FusionJob, fused_prefill, fused_prefill_batch
+from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import (
+    SCORING_COST_SHARE,
+    SCORING_MIN_QUESTION_TOKENS,
     SCORING_QUESTION_TOKENS,
+    ChunkSegment,
     TextSegment,
     build_layout,
 )
@@ -89,3 +93,74 @@ def test_scoring_pass_reads_the_end_of_a_long_question(models: dict, family: str
     assert [a - b for a, b in zip(*(r.computed_tokens for r in fused), strict=True)] == [
         50
     ] * adapter.shape.num_layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chunk_tokens", [40, 600])
+def test_scoring_read_costs_at_most_its_share_of_what_reuse_saves(
+    models: dict, family: str, chunk_tokens: int
+) -> None:
+    """A request that reuses few chunk tokens saves little: its scoring pass reads only as many
+    of the question's last tokens as cost SCORING_COST_SHARE of the token-layers reuse skips
+    (never fewer than SCORING_MIN_QUESTION_TOKENS), and selects exactly as an unbounded pass
+    reading that many would."""
+    adapter = models[family]
+    ids = _ids(17, chunk_tokens + SCORING_QUESTION_TOKENS)
+    chunk = precompute_chunk(adapter, ids[:chunk_tokens])
+    segments = [ChunkSegment(chunk), TextSegment(tuple(ids[chunk_tokens:]))]
+    layout = build_layout(segments)
+    bounded = make_selector("question_attention", 0.3)
+    num_layers = adapter.shape.num_layers
+    skipped_layers = (layout.num_chunk_tokens - bounded.budget(layout)) * num_layers
+    pass_layers = max(bounded.scoring_layers(num_layers)) + 1
+    affordable = int(SCORING_COST_SHARE * skipped_layers / pass_layers)
+    read = max(SCORING_MIN_QUESTION_TOKENS, affordable)
+    assert read < SCORING_QUESTION_TOKENS
+    assert (read == SCORING_MIN_QUESTION_TOKENS) == (chunk_tokens == 40)
+    assert bounded.scoring_question_read(layout, num_layers) == read
+    unbounded = make_selector("question_attention", 0.3, question_tokens=read, cost_share=None)
+    fused = [fused_prefill(adapter, segments, s) for s in (bounded, unbounded)]
+    assert fused[0].selected.numel() > 0
+    assert torch.equal(fused[0].selected, fused[1].selected)
+    torch.testing.assert_close(fused[0].logits, fused[1].logits, rtol=0, atol=0)
+    # A full read selects otherwise: the bound is what chose these tokens.
+    full_read = fused_prefill(
+        adapter, segments, make_selector("question_attention", 0.3, cost_share=None)
+    )
+    assert not torch.equal(full_read.selected, fused[0].selected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_scoring_pass_when_first_tokens_fill_the_budget(models: dict, family: str) -> None:
+    """When each chunk's first `sink_tokens` fill the budget the scores choose nothing: no
+    scoring pass runs (one walk of the layers, only the selection and the text computed), and
+    the answer is the one computed with it."""
+    adapter = models[family]
+    segments, _ = _rag_request(adapter)
+    selector = make_selector("question_attention", 0.3, sink_tokens=8)
+    layout = build_layout(segments)
+    assert 0 < selector.budget(layout) <= 16 and not selector.scores_decide(layout)
+    walks: list[int] = []
+    embed = adapter.embed
+
+    def counted(token_ids: torch.Tensor) -> torch.Tensor:
+        walks.append(int(token_ids.numel()))
+        return embed(token_ids)
+
+    adapter.embed = counted
+    try:
+        plain = fused_prefill(adapter, segments, selector)
+        assert len(walks) == 1
+        # The fidelity signals come from the scoring pass: asked for, it still runs.
+        (scored,) = fused_prefill_batch(
+            adapter, [FusionJob(segments, selector, record_signals=True)]
+        )
+    finally:
+        del adapter.embed
+    assert len(walks) == 3
+    first = torch.cat([torch.arange(s.start, s.start + 8) for s in layout.spans])
+    assert torch.equal(plain.selected, first[: selector.budget(layout)])
+    assert torch.equal(plain.selected, scored.selected)
+    text = layout.num_tokens - layout.num_chunk_tokens
+    assert plain.computed_tokens == (text + selector.budget(layout),) * adapter.shape.num_layers
+    torch.testing.assert_close(plain.logits, scored.logits, rtol=0, atol=0)

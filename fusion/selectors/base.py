@@ -19,7 +19,12 @@ from typing import ClassVar
 
 import torch
 
-from sglang_hicache_ext.fusion.request import SCORING_QUESTION_TOKENS, RequestLayout
+from sglang_hicache_ext.fusion.request import (
+    SCORING_COST_SHARE,
+    SCORING_MIN_QUESTION_TOKENS,
+    SCORING_QUESTION_TOKENS,
+    RequestLayout,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,18 +95,48 @@ class Selector(ABC):
         )
 
     # With scoring layers: whether the scoring pass reads the prompt's new text besides the
-    # chunks and the question, and how many of the question's last tokens it reads (None: all;
-    # `fusion/request.py`, `question_over_chunks`).
+    # chunks and the question, how many of the question's last tokens it reads at most (None:
+    # all; `fusion/request.py`, `question_over_chunks`), and the share of the compute the
+    # request's reuse saves that the read may cost (None: no bound).
     scoring_reads_whole_prompt = False
     scoring_question_tokens: int | None = SCORING_QUESTION_TOKENS
+    scoring_cost_share: float | None = SCORING_COST_SHARE
 
     def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers whose question attention a scoring pass must measure (none: no pass)."""
         return ()
 
+    def scoring_question_read(self, layout: RequestLayout, num_layers: int) -> int | None:
+        """How many of the question's last tokens this request's scoring pass reads (None:
+        all of them): at most `scoring_question_tokens`, and no more than costs
+        `scoring_cost_share` of what reusing the chunk tokens saves, but not fewer than
+        SCORING_MIN_QUESTION_TOKENS. A question token goes through the pass's layers; each
+        chunk token left out of the budget skips every layer past the fresh ones."""
+        cap = self.scoring_question_tokens
+        layers = self.scoring_layers(num_layers)
+        if cap is None or self.scoring_cost_share is None or not layers:
+            return cap
+        skipped = layout.num_chunk_tokens - self.budget(layout)
+        saved = skipped * max(num_layers - self.fresh_layers, 0)
+        affordable = int(self.scoring_cost_share * saved / (max(layers) + 1))
+        return min(cap, max(SCORING_MIN_QUESTION_TOKENS, affordable))
+
     def budget(self, layout: RequestLayout) -> int:
         """Number of chunk tokens to recompute in this request."""
         return round(self.ratio * layout.num_chunk_tokens)
+
+    def scores_decide(self, layout: RequestLayout) -> bool:
+        """Whether the scores choose any of this request's selection: not when the budget is
+        none or every chunk token, nor when the chunks' first `sink_tokens`, which go first,
+        fill it (then no scoring pass is worth running)."""
+        budget = self.budget(layout)
+        if budget in (0, layout.num_chunk_tokens):
+            return False
+        sinks = [min(self.sink_tokens, span.length) for span in layout.spans]
+        if self.per_chunk:
+            quotas = chunk_quotas([span.length for span in layout.spans], budget)
+            return any(quota > sink for quota, sink in zip(quotas, sinks, strict=True))
+        return budget > sum(sinks)
 
     @abstractmethod
     def score(self, ctx: SelectionContext) -> torch.Tensor:
@@ -116,12 +151,15 @@ class Selector(ABC):
             return chunk_positions[:0]
         if budget == layout.num_chunk_tokens:
             return chunk_positions
-        scores = self.score(ctx).float()
-        if ctx.combine is not None:
-            scores = ctx.combine(scores)
-        scores = scores.cpu()
-        if scores.shape != chunk_positions.shape:
-            raise ValueError(f"{self.name}: scores shape {tuple(scores.shape)} != chunk tokens")
+        if self.scores_decide(layout):
+            scores = self.score(ctx).float()
+            if ctx.combine is not None:
+                scores = ctx.combine(scores)
+            scores = scores.cpu()
+            if scores.shape != chunk_positions.shape:
+                raise ValueError(f"{self.name}: scores shape {tuple(scores.shape)} != chunk tokens")
+        else:  # the chunks' first tokens fill the budget, in the order the scores would give
+            scores = torch.zeros(chunk_positions.shape)
         if self.sink_tokens:
             local = torch.cat([torch.arange(span.length) for span in layout.spans])
             scores = scores.masked_fill(local < self.sink_tokens, float("inf"))

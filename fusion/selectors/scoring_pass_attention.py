@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from sglang_hicache_ext.fusion.request import SCORING_QUESTION_TOKENS
+from sglang_hicache_ext.fusion.request import SCORING_COST_SHARE, SCORING_QUESTION_TOKENS
 from sglang_hicache_ext.fusion.selectors.base import SelectionContext, Selector
 
 
@@ -24,9 +24,10 @@ class QuestionAttentionSelector(Selector):
     the default): the prompt's other new text is computed by the prefill at every layer anyway,
     and read here too it would cost a prompt half new nearly its new half again
     (docs/auto-chunks.md, "When fusion does not pay"). `whole_prompt` True reads every token.
-    `question_tokens`: how many of the question's last tokens the pass reads (None: all); a
-    prompt's text after its last chunk is its question when none is marked, and may be new
-    paragraphs before the question itself.
+    `question_tokens`: how many of the question's last tokens the pass reads at most (None:
+    all); a prompt's text after its last chunk is its question when none is marked, and may be
+    new paragraphs before the question itself. `cost_share`: the read costs at most this share
+    of the compute the request's reuse saves (None: no bound; `Selector.scoring_question_read`).
     """
 
     name = "question_attention"
@@ -40,12 +41,16 @@ class QuestionAttentionSelector(Selector):
         layers: tuple[float, float] = DEFAULT_LAYERS,
         whole_prompt: bool = False,
         question_tokens: int | None = SCORING_QUESTION_TOKENS,
+        cost_share: float | None = SCORING_COST_SHARE,
     ) -> None:
         super().__init__(ratio, sink_tokens, fresh_layers)
         self.scoring_reads_whole_prompt = whole_prompt
         if question_tokens is not None and question_tokens < 1:
             raise ValueError(f"question_tokens must be >= 1 or None, got {question_tokens}")
         self.scoring_question_tokens = question_tokens
+        if cost_share is not None and not 0.0 < cost_share <= 1.0:
+            raise ValueError(f"cost_share must be in (0, 1] or None, got {cost_share}")
+        self.scoring_cost_share = cost_share
         start, end = layers
         if not 0.0 <= start < end <= 1.0:
             raise ValueError(f"scoring layers must satisfy 0 <= start < end <= 1, got {layers}")
