@@ -194,8 +194,9 @@ def test_a_mostly_new_prompt_gets_the_normal_prefill_and_its_paragraphs_are_kept
     """Stored chunks under `fusion_min_matched_share` of the prompt: the normal prefill at the
     server's ratio (`below_break_even`, counted), new paragraphs kept; a pinned ratio fuses."""
     url = auto_server.url
-    # A short paragraph: under half the default minimum share of a prompt that fits the context.
-    seen = corpus[6][:260]
+    # A short paragraph (49 tokens): under half the default minimum share of a prompt that fits
+    # the context, with fewer new pieces than the capture cap's minute holds.
+    seen = corpus[6][:160]
     seeded = _stats(url)["auto_chunks"]["captured"]
     # Its paragraph kept: stored from now on (this test runs before the capture cap's).
     _generate(url, {"text": f"{seen}\n\nQuestion: what?", "sampling_params": {"max_new_tokens": 1}})
