@@ -16,7 +16,12 @@ from sglang_hicache_ext.tuning.ratio.projection import (
 )
 from sglang_hicache_ext.tuning.ratio.roofline import TierCosts, predicted_ttft, roofline_prior
 from sglang_hicache_ext.tuning.ratio.search import golden_section
-from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio, load_ratio_table
+from sglang_hicache_ext.tuning.ratio.table import (
+    RatioTable,
+    TunedRatio,
+    load_ratio_table,
+    token_weighted_ratio,
+)
 
 
 @pytest.mark.parametrize("load_s", [0.0, 1e-7, 1e-6, 3e-6, 1e-4])
@@ -111,6 +116,9 @@ def _table() -> RatioTable:
 def test_a_request_mixing_tiers_gets_the_token_weighted_ratio(tmp_path: Path) -> None:
     table = _table()
     assert table.ratio_for({"host": 300}) == 0.15
+    # One tier's chunks get exactly its ratio, whatever their count (0.4 * 3 / 3 is not 0.4).
+    assert token_weighted_ratio({"disk": 0.4}, {"disk": 3}) == 0.4
+    assert all(token_weighted_ratio({"d": 0.4}, {"d": n}) == 0.4 for n in range(1, 2000))
     assert table.ratio_for({"host": 100, "disk": 300}) == pytest.approx(0.375)
     with pytest.raises(KeyError, match="mooncake"):
         table.ratio_for({"mooncake": 10})

@@ -30,6 +30,7 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import FusionOpt
 from sglang_hicache_ext.sglang_ext.chunk_fusion.service import FusionService
 from sglang_hicache_ext.sglang_ext.config.setting_types import AUTO_RATIO
 from sglang_hicache_ext.sglang_ext.sglang_types import ExtendBatch, ScheduledRequest
+from sglang_hicache_ext.tuning.ratio.table import token_weighted_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ def _resolve_auto_ratio(rt: FusionService, plan: RequestPlan) -> None:
         return
     ratios = {tier: rt.fidelity.ratio(tier, floor, start) for tier, floor in floors.items()}
     total = sum(tokens.values())
-    weighted = sum(ratios[tier] * n for tier, n in tokens.items()) / total if total > 0 else 0.0
+    weighted = token_weighted_ratio(ratios, tokens) if total > 0 else 0.0
     plan.tuned_ratio = min(1.0, max(weighted, min(ratios.values())))
     # A check of this request moves the ratio of the tier most of its chunk tokens came from.
     plan.ratio_tier = max(tokens, key=lambda tier: tokens[tier])

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 from sglang_hicache_ext.tuning.ratio.quality_floor import quality_floor
 from sglang_hicache_ext.tuning.ratio.roofline import TierCosts, roofline_prior
+from sglang_hicache_ext.tuning.ratio.table import token_weighted_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,8 @@ class SelfTunedRatios:
         total = sum(tokens_by_tier.values())
         if total <= 0:
             return self.floor
-        weighted = sum(self.tier_ratio(tier) * n for tier, n in tokens_by_tier.items()) / total
-        return min(1.0, max(self.floor, weighted))
+        ratios = {tier: self.tier_ratio(tier) for tier in tokens_by_tier}
+        return min(1.0, max(self.floor, token_weighted_ratio(ratios, tokens_by_tier)))
 
     def status(self) -> dict[str, object]:
         with self._lock:

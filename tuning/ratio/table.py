@@ -16,6 +16,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 
+def token_weighted_ratio(ratios: Mapping[str, float], tokens_by_tier: Mapping[str, int]) -> float:
+    """The mean of the tiers' `ratios` weighted by `tokens_by_tier` (a positive total): a request
+    mixing tiers spends the sum of what each chunk's tier asks for. Kept inside the tiers' own
+    range, so chunks of one tier get exactly its ratio (the division alone can miss it by one
+    ulp, and the response reports the ratio: 0.4 * 3 / 3 is 0.4000000000000001)."""
+    used = [ratios[tier] for tier in tokens_by_tier]
+    total = sum(tokens_by_tier.values())
+    mean = sum(ratios[tier] * n for tier, n in tokens_by_tier.items()) / total
+    return min(max(used), max(min(used), mean))
+
+
 class TunedRatio(NamedTuple):
     ratio: float  # what "auto" uses for chunks loaded from this tier
     prior: float  # the roofline prior r0 the search started from
@@ -36,11 +47,10 @@ class RatioTable(NamedTuple):
                 f"no tuned ratio for chunk tier(s) {', '.join(missing)} "
                 f"(tuned: {', '.join(sorted(self.tiers)) or 'none'})"
             )
-        total = sum(tokens_by_tier.values())
-        if total <= 0:
+        if sum(tokens_by_tier.values()) <= 0:
             return max(t.ratio for t in self.tiers.values())
-        weighted = sum(self.tiers[t].ratio * n for t, n in tokens_by_tier.items())
-        return min(1.0, weighted / total)
+        ratios = {tier: self.tiers[tier].ratio for tier in tokens_by_tier}
+        return min(1.0, token_weighted_ratio(ratios, tokens_by_tier))
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "tiers": {t: r._asdict() for t, r in self.tiers.items()}}
