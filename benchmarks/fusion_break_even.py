@@ -47,6 +47,7 @@ from benchmarks.smollm2_server import (
 from examples.openai_rag import SYSTEM, ask
 
 ARMS = {"fused": 0.0, "fallback": 1.0}  # fusion_min_matched_share of each arm
+QUESTION = "Which of these documents names a person first?"
 
 
 def prompts(
@@ -73,6 +74,19 @@ def prompts(
     return pool, measured
 
 
+def warm_up(client: Any, url: str, pool: list[str]) -> float:
+    """Each pool paragraph asked once (`auto_chunks` keeps them, stored before this returns),
+    then two of them fused; returns that fused request's TTFT. The first fused batch is served
+    after the model check (a normal prefill and a fused one at ratio 1 beside it): a
+    once-per-server cost, paid here and reported, not by a measured prompt."""
+    for start in range(0, len(pool), 4):
+        ask(client, "default", pool[start : start + 4], QUESTION, system="Warm-up. " + SYSTEM)
+    fusion_counters(url)
+    first = ask(client, "default", pool[:2], QUESTION, system="Warm-up, fused. " + SYSTEM)
+    fusion_counters(url)
+    return first.ttft_s
+
+
 def run(
     url: str, pool: list[str], measured: list[tuple[int, list[str]]]
 ) -> tuple[float, list[dict[str, Any]]]:
@@ -80,20 +94,13 @@ def run(
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-    question = "Which of these documents names a person first?"
-    for start in range(0, len(pool), 4):  # each pool paragraph seen once: kept by auto_chunks
-        ask(client, "default", pool[start : start + 4], question, system="Warm-up. " + SYSTEM)
-    fusion_counters(url)  # the pool's pieces stored
-    # The first fused batch is served after the model check (a normal prefill and a fused one
-    # at ratio 1 beside it): a once-per-server cost, paid here and reported, not by a prompt.
-    first = ask(client, "default", pool[:2], question, system="Warm-up, fused. " + SYSTEM)
-    fusion_counters(url)
+    first_ttft_s = warm_up(client, url, pool)
     rows = []
     for number, (seen, docs) in enumerate(tqdm(measured, desc="prompts", disable=None)):
         before = fusion_counters(url)
-        fused = ask(client, "default", docs, question)
+        fused = ask(client, "default", docs, QUESTION)
         after = fusion_counters(url)  # waits for the pieces the fused prompt kept
-        off = ask(client, "default", docs, question, system=f"{number}. {SYSTEM}", fusion=False)
+        off = ask(client, "default", docs, QUESTION, system=f"{number}. {SYSTEM}", fusion=False)
         rows.append(
             {
                 "seen": seen,
@@ -105,7 +112,7 @@ def run(
                 "off_ttft_s": off.ttft_s,
             }
         )
-    return first.ttft_s, rows
+    return first_ttft_s, rows
 
 
 def by_seen(rows: list[dict[str, Any]]) -> dict[str, Any]:

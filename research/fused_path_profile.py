@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from benchmarks.auto_reuse import FLAGS, fusion_counters, settings_file
-from benchmarks.fusion_break_even import prompts
+from benchmarks.fusion_break_even import QUESTION, prompts, warm_up
 from benchmarks.smollm2_server import report_header, smollm2_server
 from examples.openai_rag import SYSTEM, Answer, ask
 from sglang_hicache_ext.sglang_ext.server.launcher import server_process_group
@@ -41,7 +41,6 @@ from sglang_hicache_ext.sglang_ext.server.launcher import server_process_group
 # The docs quote its figures, which `benchmarks/doc_figures.py` reads from there.
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 RATE_HZ = 50
-QUESTION = "Which of these documents names a person first?"
 
 # (stage, frames that mark it), the first match wins, in this order.
 STAGES = (
@@ -150,11 +149,7 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     with smollm2_server("fused-path", extra_args=FLAGS, env=env) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        for start in range(0, len(pool), 4):
-            ask(client, "default", pool[start : start + 4], QUESTION, system="Warm-up. " + SYSTEM)
-        fusion_counters(server.url)
-        ask(client, "default", pool[:2], QUESTION, system="Warm-up, fused. " + SYSTEM)
-        fusion_counters(server.url)
+        warm_up(client, server.url, pool)
         pid = scheduler_pid(server.port)
         for number, (_, docs) in enumerate(measured):
             fused_ttft, fused = profiled(
