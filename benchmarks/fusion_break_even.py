@@ -1,20 +1,21 @@
 """Where fusion stops paying: fused / normal TTFT against the share of the prompt already stored.
 
-SmolLM2-135M-Instruct on the CPU server, `auto_chunks` and `fusion_by_default` on, no
-registration, the shipped defaults otherwise. Two servers, one after the other, the same prompts:
+SmolLM2-135M-Instruct on the CPU server, `auto_chunks` and `fusion_by_default` on, no registration,
+the shipped defaults otherwise. Two servers, one after the other, the same prompts:
 `fusion_min_matched_share` 0 ("fused": every prompt with a stored chunk is fused, whatever its
-share) and 1 ("fallback": every prompt falls back to the normal prefill, `below_break_even`,
-and its new paragraphs are still kept, as the fallback does). A pool of paragraphs is asked
-once first, so `auto_chunks` keeps them, then two of them in one fused prompt: the server's
-first fused batch pays the model check (a normal prefill and a fused one at ratio 1 beside it),
-once per server, reported as the arm's `first_fused_ttft_s` and kept out of the measured
-prompts. Then each prompt holds `--per-request` paragraphs, `seen` of them from the pool and
-the rest never seen before (kept by this prompt, reused by none), for every `seen`
-from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
-server's default ratio) and then with `{"fusion": false}` behind a system prompt of its own (a
-number first: the fused prompt, in the prefix tree when it fell back, is not reused), one request
-at a time, TTFT the first streamed token; the fusion counters read between them wait for the
-pieces the fused prompt kept, so neither request pays for the other's capture.
+share) and 1 ("fallback": every prompt falls back to the normal prefill, `below_break_even`, and
+its new paragraphs are still kept, as the fallback does). A pool of paragraphs, drawn at random
+from the corpus as the new ones are, is asked once first, so `auto_chunks` keeps them, then two of
+them in one fused prompt: the server's first fused batch pays the model check (a normal prefill and
+a fused one at ratio 1 beside it), once per server, reported as the arm's `first_fused_ttft_s` and
+kept out of the measured prompts. Then each prompt holds `--per-request` paragraphs, `seen` of them
+from the pool and the rest never seen before (kept by this prompt, reused by none), for every
+`seen` from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
+server's default ratio, not shadow-checked) and then with `{"fusion": false}` behind a system
+prompt of its own (a number first: the fused prompt, in the prefix tree when it fell back, is not
+reused), one request at a time, TTFT the first streamed token; the fusion counters read between
+them wait for the pieces the fused prompt kept, so neither request pays for the other's capture.
+Each arm reports the shadow checks' counts and the ratio their target holds per tier at its end.
 
 Per arm and `seen`: the median matched share (the request's matched chunk tokens over its prompt
 tokens; the fallback arm's from the fused arm's same prompts), the median of the paired
@@ -35,6 +36,7 @@ import random
 import statistics
 from typing import Any
 
+import requests
 from tqdm import tqdm
 
 from benchmarks.auto_reuse import FLAGS, corpus_of, fusion_counters, settings_file
@@ -62,6 +64,10 @@ def prompts(
     fresh_needed = repeats * sum(per_request - seen for seen in counts)
     pool_size = 2 * per_request
     corpus, _ = corpus_of(pool_size + fresh_needed)
+    # The pool drawn at random, not the corpus's first paragraphs: those are shorter than the
+    # rest (110 against 148 SmolLM2 tokens for a pool of 24), which made a prompt half of whose
+    # paragraphs were seen one with 0.42 of its tokens seen.
+    rng.shuffle(corpus)
     pool, fresh = corpus[:pool_size], iter(corpus[pool_size:])
     measured: list[tuple[int, list[str]]] = []
     for _ in range(repeats):
@@ -87,10 +93,9 @@ def warm_up(client: Any, url: str, pool: list[str]) -> float:
     return first.ttft_s
 
 
-def run(
-    url: str, pool: list[str], measured: list[tuple[int, list[str]]]
-) -> tuple[float, list[dict[str, Any]]]:
-    """The first fused request's TTFT (it pays the model check), and one row per measured prompt."""
+def run(url: str, pool: list[str], measured: list[tuple[int, list[str]]]) -> dict[str, Any]:
+    """The first fused request's TTFT (it pays the model check), one row per measured prompt,
+    and the shadow checks' counts and the ratio "auto" held per tier at the end."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -98,7 +103,10 @@ def run(
     rows = []
     for number, (seen, docs) in enumerate(tqdm(measured, desc="prompts", disable=None)):
         before = fusion_counters(url)
-        fused = ask(client, "default", docs, QUESTION)
+        # Not shadow-checked: the check would start in the idle moment before the fusion-off
+        # twin and hold that one up by a round (flattering the fused arm); the ratio is the
+        # same either way (a target moves it only after 8 checks at one ratio).
+        fused = ask(client, "default", docs, QUESTION, fusion_shadow=False)
         after = fusion_counters(url)  # waits for the pieces the fused prompt kept
         off = ask(client, "default", docs, QUESTION, system=f"{number}. {SYSTEM}", fusion=False)
         rows.append(
@@ -112,7 +120,18 @@ def run(
                 "off_ttft_s": off.ttft_s,
             }
         )
-    return first_ttft_s, rows
+    return {"first_fused_ttft_s": first_ttft_s, "rows": rows, **shadow_state(url)}
+
+
+def shadow_state(url: str) -> dict[str, Any]:
+    """The shadow checks' counts and, per chunk tier, the ratio their target holds."""
+    checks = requests.get(url + "/hicache_ext/shadow_checks", timeout=30).json()
+    info = requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]
+    target = ((info["hicache_ext"]["fusion"] or {}).get("shadow") or {}).get("target") or {}
+    return {
+        "shadow_checks": checks["counts"],
+        "target_ratios": {tier: state["ratio"] for tier, state in target.get("tiers", {}).items()},
+    }
 
 
 def by_seen(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -223,12 +242,7 @@ def main() -> int:
         settings = {"fusion_by_default": True, "fusion_min_matched_share": ARMS[arm]}
         env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
         with smollm2_server(f"break-even-{arm}", extra_args=FLAGS, env=env) as server:
-            first_fused_ttft_s, rows = run(server.url, pool, measured)
-            report["arms"][arm] = {
-                "settings": settings,
-                "first_fused_ttft_s": first_fused_ttft_s,
-                "rows": rows,
-            }
+            report["arms"][arm] = {"settings": settings, **run(server.url, pool, measured)}
     report["summary"] = summarise({arm: r["rows"] for arm, r in report["arms"].items()})
     brief: dict[str, Any] = {"break_even": report["summary"].get("break_even_matched_share")}
     for arm in report["arms"]:

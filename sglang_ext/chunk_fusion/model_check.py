@@ -2,10 +2,12 @@
 
 Re-RoPE and layer-by-layer execution are fragile across architectures: an adapter that misses
 what a model does (a subclass that changes its positions, a norm it does not know) would garble
-every fused answer without an error. So the first batch that would be fused is served by the
-normal prefill, and the same prompts are fused beside it at ratio 1 (every token recomputed:
-the result must be the normal prefill's). Each prompt's last logits are compared with SGLang's;
-beyond tolerance, fusion is switched off for this model in this scheduler, with one log line,
+every fused answer without an error. So the first batch that would be fused is first prefilled
+normally, and the same prompts are fused beside it at ratio 1 (every token recomputed: the
+result must be the normal prefill's). Each prompt's last logits are compared with SGLang's; on a
+pass the batch is then fused as asked (its rows overwrite the normal prefill's: three prefills,
+once per scheduler), on a failure the normal prefill is its answer. Beyond tolerance, fusion is
+switched off for this model in this scheduler, with one log line,
 `fallback: "model_check_failed"` on every later request and the counters. A model with no
 adapter falls back with `no_adapter`, counted the same way. No user receives a fused answer of
 an unchecked model.

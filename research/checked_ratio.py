@@ -1,0 +1,101 @@
+"""Where the shadow checks take SmolLM2's ratio "auto" on half-new prompts (issue 56).
+
+SmolLM2-135M-Instruct on the CPU server at the shipped defaults (ratio "auto", token-agreement
+target 0.9, checks on) with the break-even benchmark's settings and prompts
+(`benchmarks/fusion_break_even.py`: `auto_chunks`, `fusion_by_default`,
+`fusion_min_matched_share` 0; its warm-up). SmolLM2 has no measured quality floor, so its
+ratio starts at 0.3 and only checks lower it, to 0.15 at most. Each of `--prompts` prompts of
+`--per-request` paragraphs, `--seen` of them from the pool, is sent fused with
+`custom_params.fusion_shadow: true` and the study waits for its check, so that every prompt is
+checked (on a busy server checks run only in idle moments). After each: the check's token
+agreement and the tier's ratio, samples at that ratio and moves.
+
+    python -m research.checked_ratio      # benchmarks/results/checked_ratio_half_new.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from benchmarks.auto_reuse import FLAGS, fusion_counters, settings_file
+from benchmarks.fusion_break_even import QUESTION, prompts, shadow_state, warm_up
+from benchmarks.smollm2_server import report_header, smollm2_server
+from examples.openai_rag import ask
+
+# The docs quote its figures, which `benchmarks/doc_figures.py` reads from there.
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+CHECK_WAIT_S = 120.0
+
+
+def checked(url: str, before: int) -> dict[str, Any]:
+    """The newest check's result once more than `before` checks are done."""
+    deadline = time.monotonic() + CHECK_WAIT_S
+    while time.monotonic() < deadline:
+        status = requests.get(url + "/hicache_ext/shadow_checks", timeout=30).json()
+        if status["counts"].get("checked", 0) > before:
+            return dict(status["recent"][-1])
+        time.sleep(0.5)
+    raise TimeoutError(f"no shadow check finished in {CHECK_WAIT_S:.0f} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--per-request", type=int, default=12)
+    parser.add_argument("--seen", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=RESULTS / "checked_ratio_half_new.json")
+    args = parser.parse_args()
+    import openai
+
+    pool, measured = prompts(args.per_request, args.prompts, [args.seen])
+    settings = {"fusion_by_default": True, "fusion_min_matched_share": 0.0}
+    env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
+    rows: list[dict[str, Any]] = []
+    with smollm2_server("checked-ratio", extra_args=FLAGS, env=env) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        warm_up(client, server.url, pool)
+        for _, docs in measured:
+            done = shadow_state(server.url)["shadow_checks"].get("checked", 0)
+            answer = ask(client, "default", docs, QUESTION, fusion_shadow=True)
+            fusion_counters(server.url)  # the pieces it kept are stored
+            check = checked(server.url, done)
+            state = shadow_state(server.url)
+            rows.append(
+                {
+                    "ttft_s": answer.ttft_s,
+                    "recompute_ratio": check["recompute_ratio"],
+                    "token_agreement": check["token_agreement"],
+                    "tier": check.get("ratio_tier"),
+                    "tier_ratios_after": state["target_ratios"],
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+        end = shadow_state(server.url)
+    agreements = [row["token_agreement"] for row in rows]
+    report: dict[str, Any] = {
+        **report_header("research.checked_ratio"),
+        "summary": {
+            "checks": len(rows),
+            "mean_token_agreement": statistics.fmean(agreements),
+            "stdev_token_agreement": statistics.stdev(agreements) if len(rows) > 1 else None,
+            "ratios_checked": sorted({row["recompute_ratio"] for row in rows}),
+            "target_ratios_at_end": end["target_ratios"],
+            "shadow_checks": end["shadow_checks"],
+        },
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
