@@ -31,9 +31,13 @@ the rows of a run)
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -91,6 +95,31 @@ def warm_up(client: Any, url: str, pool: list[str]) -> float:
     first = ask(client, "default", pool[:2], QUESTION, system="Warm-up, fused. " + SYSTEM)
     fusion_counters(url)
     return first.ttft_s
+
+
+def half_new_arguments(description: str, prompts: int, out: Path) -> argparse.Namespace:
+    """The command line of a study of the fused arm's half-new prompts: `--prompts` prompts of
+    `--per-request` paragraphs, `--seen` of them from the pool, the result in `--out`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--prompts", type=int, default=prompts)
+    parser.add_argument("--per-request", type=int, default=12)
+    parser.add_argument("--seen", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=out)
+    return parser.parse_args()
+
+
+@contextmanager
+def warmed_fused_server(label: str, pool: list[str]) -> Iterator[tuple[Any, Any]]:
+    """The fused arm's server (every prompt with a stored chunk fused) after `warm_up`, and an
+    OpenAI client of it."""
+    import openai
+
+    settings = {"fusion_by_default": True, "fusion_min_matched_share": ARMS["fused"]}
+    env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
+    with smollm2_server(label, extra_args=FLAGS, env=env) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        warm_up(client, server.url, pool)
+        yield server, client
 
 
 def run(url: str, pool: list[str], measured: list[tuple[int, list[str]]]) -> dict[str, Any]:

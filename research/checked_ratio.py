@@ -15,7 +15,6 @@ agreement and the tier's ratio, samples at that ratio and moves.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -24,9 +23,15 @@ from typing import Any
 
 import requests
 
-from benchmarks.auto_reuse import FLAGS, fusion_counters, settings_file
-from benchmarks.fusion_break_even import QUESTION, prompts, shadow_state, warm_up
-from benchmarks.smollm2_server import report_header, smollm2_server
+from benchmarks.auto_reuse import fusion_counters
+from benchmarks.fusion_break_even import (
+    QUESTION,
+    half_new_arguments,
+    prompts,
+    shadow_state,
+    warmed_fused_server,
+)
+from benchmarks.smollm2_server import report_header
 from examples.openai_rag import ask
 
 # The docs quote its figures, which `benchmarks/doc_figures.py` reads from there.
@@ -46,21 +51,10 @@ def checked(url: str, before: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--per-request", type=int, default=12)
-    parser.add_argument("--seen", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=RESULTS / "checked_ratio_half_new.json")
-    args = parser.parse_args()
-    import openai
-
+    args = half_new_arguments(__doc__.splitlines()[0], 24, RESULTS / "checked_ratio_half_new.json")
     pool, measured = prompts(args.per_request, args.prompts, [args.seen])
-    settings = {"fusion_by_default": True, "fusion_min_matched_share": 0.0}
-    env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
     rows: list[dict[str, Any]] = []
-    with smollm2_server("checked-ratio", extra_args=FLAGS, env=env) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        warm_up(client, server.url, pool)
+    with warmed_fused_server("checked-ratio", pool) as (server, client):
         for _, docs in measured:
             done = shadow_state(server.url)["shadow_checks"].get("checked", 0)
             answer = ask(client, "default", docs, QUESTION, fusion_shadow=True)

@@ -18,7 +18,6 @@ Needs py-spy (`pip install py-spy`), which is not a dependency of the package.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -32,9 +31,14 @@ from typing import Any
 
 import psutil
 
-from benchmarks.auto_reuse import FLAGS, fusion_counters, settings_file
-from benchmarks.fusion_break_even import QUESTION, prompts, warm_up
-from benchmarks.smollm2_server import report_header, smollm2_server
+from benchmarks.auto_reuse import fusion_counters
+from benchmarks.fusion_break_even import (
+    QUESTION,
+    half_new_arguments,
+    prompts,
+    warmed_fused_server,
+)
+from benchmarks.smollm2_server import report_header
 from examples.openai_rag import SYSTEM, Answer, ask
 from sglang_hicache_ext.sglang_ext.server.launcher import server_process_group
 
@@ -135,21 +139,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--per-request", type=int, default=12)
-    parser.add_argument("--seen", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=RESULTS / "fused_path_profile.json")
-    args = parser.parse_args()
-    import openai
-
+    args = half_new_arguments(__doc__.splitlines()[0], 4, RESULTS / "fused_path_profile.json")
     pool, measured = prompts(args.per_request, args.prompts, [args.seen])
-    settings = {"fusion_by_default": True, "fusion_min_matched_share": 0.0}
-    env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
     runs: list[dict[str, Any]] = []
-    with smollm2_server("fused-path", extra_args=FLAGS, env=env) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        warm_up(client, server.url, pool)
+    with warmed_fused_server("fused-path", pool) as (server, client):
         pid = scheduler_pid(server.port)
         for number, (_, docs) in enumerate(measured):
             fused_ttft, fused = profiled(
