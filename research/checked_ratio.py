@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import requests
@@ -31,11 +30,9 @@ from benchmarks.fusion_break_even import (
     shadow_state,
     warmed_fused_server,
 )
-from benchmarks.smollm2_server import report_header
+from benchmarks.smollm2_server import RESULTS, report_header, write_json
 from examples.openai_rag import ask
 
-# The docs quote its figures, which `benchmarks/doc_figures.py` reads from there.
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 CHECK_WAIT_S = 120.0
 
 
@@ -85,8 +82,7 @@ def main() -> int:
         },
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report)
     print(json.dumps(report["summary"], indent=1))
     return 0
 

@@ -38,12 +38,10 @@ from benchmarks.fusion_break_even import (
     prompts,
     warmed_fused_server,
 )
-from benchmarks.smollm2_server import report_header
+from benchmarks.smollm2_server import RESULTS, report_header, write_json
 from examples.openai_rag import SYSTEM, Answer, ask
 from sglang_hicache_ext.sglang_ext.server.launcher import server_process_group
 
-# The docs quote its figures, which `benchmarks/doc_figures.py` reads from there.
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 RATE_HZ = 50
 
 # (stage, frames that mark it), the first match wins, in this order.
@@ -174,8 +172,7 @@ def main() -> int:
         "summary": summarise(runs),
     }
     report["runs"] = runs
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report)
     print(json.dumps(report["summary"], indent=1))
     return 0
 
