@@ -16,6 +16,7 @@ prompt of its own (a number first: the fused prompt, in the prefix tree when it 
 reused), one request at a time, TTFT the first streamed token; the fusion counters read between
 them wait for the pieces the fused prompt kept, so neither request pays for the other's capture.
 Each arm reports the shadow checks' counts and the ratio their target holds per tier at its end.
+`--ratio R` has the measured fused prompts ask for recompute ratio R instead of the server's.
 
 Per arm and `seen`: the median matched share (the request's matched chunk tokens over its prompt
 tokens; the fallback arm's from the fused arm's same prompts), the median of the paired
@@ -122,9 +123,13 @@ def warmed_fused_server(label: str, pool: list[str]) -> Iterator[tuple[Any, Any]
         yield server, client
 
 
-def run(url: str, pool: list[str], measured: list[tuple[int, list[str]]]) -> dict[str, Any]:
+def run(
+    url: str, pool: list[str], measured: list[tuple[int, list[str]]], ratio: float | None = None
+) -> dict[str, Any]:
     """The first fused request's TTFT (it pays the model check), one row per measured prompt,
-    and the shadow checks' counts and the ratio "auto" held per tier at the end."""
+    and the shadow checks' counts and the ratio "auto" held per tier at the end. `ratio`: the
+    recompute ratio the measured fused prompts ask for (None: the server's default)."""
+    pinned = {} if ratio is None else {"fusion_recompute_ratio": ratio}
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -135,7 +140,7 @@ def run(url: str, pool: list[str], measured: list[tuple[int, list[str]]]) -> dic
         # Not shadow-checked: the check would start in the idle moment before the fusion-off
         # twin and hold that one up by a round (flattering the fused arm); the ratio is the
         # same either way (a target moves it only after 8 checks at one ratio).
-        fused = ask(client, "default", docs, QUESTION, fusion_shadow=False)
+        fused = ask(client, "default", docs, QUESTION, fusion_shadow=False, **pinned)
         after = fusion_counters(url)  # waits for the pieces the fused prompt kept
         off = ask(client, "default", docs, QUESTION, system=f"{number}. {SYSTEM}", fusion=False)
         rows.append(
@@ -257,6 +262,11 @@ def main() -> int:
     )
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument(
+        "--ratio",
+        type=float,
+        help="recompute ratio the measured fused prompts ask for (default: the server's)",
+    )
+    parser.add_argument(
         "--summary-only", action="store_true", help="summarise and redraw the rows of --out"
     )
     args = parser.parse_args()
@@ -271,7 +281,11 @@ def main() -> int:
         settings = {"fusion_by_default": True, "fusion_min_matched_share": ARMS[arm]}
         env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
         with smollm2_server(f"break-even-{arm}", extra_args=FLAGS, env=env) as server:
-            report["arms"][arm] = {"settings": settings, **run(server.url, pool, measured)}
+            report["arms"][arm] = {
+                "settings": settings,
+                "ratio": args.ratio,
+                **run(server.url, pool, measured, args.ratio),
+            }
     report["summary"] = summarise({arm: r["rows"] for arm, r in report["arms"].items()})
     brief: dict[str, Any] = {"break_even": report["summary"].get("break_even_matched_share")}
     for arm in report["arms"]:
