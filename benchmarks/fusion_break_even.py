@@ -98,7 +98,7 @@ def warm_up(client: Any, url: str, pool: list[str]) -> float:
     return first.ttft_s
 
 
-def half_new_arguments(description: str, prompts: int, out: Path) -> argparse.Namespace:
+def half_new_parser(description: str, prompts: int, out: Path) -> argparse.ArgumentParser:
     """The command line of a study of the fused arm's half-new prompts: `--prompts` prompts of
     `--per-request` paragraphs, `--seen` of them from the pool, the result in `--out`."""
     parser = argparse.ArgumentParser(description=description)
@@ -106,7 +106,7 @@ def half_new_arguments(description: str, prompts: int, out: Path) -> argparse.Na
     parser.add_argument("--per-request", type=int, default=12)
     parser.add_argument("--seen", type=int, default=6)
     parser.add_argument("--out", type=Path, default=out)
-    return parser.parse_args()
+    return parser
 
 
 @contextmanager

@@ -8,9 +8,11 @@ ratio starts at 0.3 and only checks lower it, to 0.15 at most. Each of `--prompt
 `--per-request` paragraphs, `--seen` of them from the pool, is sent fused with
 `custom_params.fusion_shadow: true` and the study waits for its check, so that every prompt is
 checked (on a busy server checks run only in idle moments). After each: the check's token
-agreement and the tier's ratio, samples at that ratio and moves.
+agreement and the tier's ratio. `--ratio R`: the prompts ask for ratio R, which the checks
+measure and nothing moves (the agreement a lower ratio would give).
 
     python -m research.checked_ratio      # benchmarks/results/checked_ratio_half_new.json
+    python -m research.checked_ratio --ratio 0.15 --out benchmarks/results/checked_ratio_half_new_r0.15.json
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import requests
 from benchmarks.auto_reuse import fusion_counters
 from benchmarks.fusion_break_even import (
     QUESTION,
-    half_new_arguments,
+    half_new_parser,
     prompts,
     shadow_state,
     warmed_fused_server,
@@ -48,13 +50,21 @@ def checked(url: str, before: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    args = half_new_arguments(__doc__.splitlines()[0], 24, RESULTS / "checked_ratio_half_new.json")
+    parser = half_new_parser(__doc__.splitlines()[0], 24, RESULTS / "checked_ratio_half_new.json")
+    parser.add_argument(
+        "--ratio",
+        type=float,
+        help="a recompute ratio the prompts ask for: the checks measure it, the target does not "
+        "move it (default: the ratio 'auto')",
+    )
+    args = parser.parse_args()
+    pinned = {} if args.ratio is None else {"fusion_recompute_ratio": args.ratio}
     pool, measured = prompts(args.per_request, args.prompts, [args.seen])
     rows: list[dict[str, Any]] = []
     with warmed_fused_server("checked-ratio", pool) as (server, client):
         for _, docs in measured:
             done = shadow_state(server.url)["shadow_checks"].get("checked", 0)
-            answer = ask(client, "default", docs, QUESTION, fusion_shadow=True)
+            answer = ask(client, "default", docs, QUESTION, fusion_shadow=True, **pinned)
             fusion_counters(server.url)  # the pieces it kept are stored
             check = checked(server.url, done)
             state = shadow_state(server.url)
@@ -72,6 +82,7 @@ def main() -> int:
     agreements = [row["token_agreement"] for row in rows]
     report: dict[str, Any] = {
         **report_header("research.checked_ratio"),
+        "ratio_asked": args.ratio,
         "summary": {
             "checks": len(rows),
             "mean_token_agreement": statistics.fmean(agreements),

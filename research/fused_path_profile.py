@@ -34,7 +34,7 @@ import psutil
 from benchmarks.auto_reuse import fusion_counters
 from benchmarks.fusion_break_even import (
     QUESTION,
-    half_new_arguments,
+    half_new_parser,
     prompts,
     warmed_fused_server,
 )
@@ -137,7 +137,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> int:
-    args = half_new_arguments(__doc__.splitlines()[0], 4, RESULTS / "fused_path_profile.json")
+    parser = half_new_parser(__doc__.splitlines()[0], 4, RESULTS / "fused_path_profile.json")
+    args = parser.parse_args()
     pool, measured = prompts(args.per_request, args.prompts, [args.seen])
     runs: list[dict[str, Any]] = []
     with warmed_fused_server("fused-path", pool) as (server, client):
