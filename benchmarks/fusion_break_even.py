@@ -16,7 +16,8 @@ prompt of its own (a number first: the fused prompt, in the prefix tree when it 
 reused), one request at a time, TTFT the first streamed token; the fusion counters read between
 them wait for the pieces the fused prompt kept, so neither request pays for the other's capture.
 Each arm reports the shadow checks' counts and the ratio their target holds per tier at its end.
-`--ratio R` has the measured fused prompts ask for recompute ratio R instead of the server's.
+`--ratio R` has the measured fused prompts ask for recompute ratio R instead of the server's (the
+fused arm only: a pinned ratio is fused whatever its share).
 
 Per arm and `seen`: the median matched share (the request's matched chunk tokens over its prompt
 tokens; the fallback arm's from the fused arm's same prompts), the median of the paired
@@ -52,6 +53,7 @@ from benchmarks.smollm2_server import (
     write_report,
 )
 from examples.openai_rag import SYSTEM, ask
+from sglang_hicache_ext.fusion.selectors import check_ratio
 
 ARMS = {"fused": 0.0, "fallback": 1.0}  # fusion_min_matched_share of each arm
 QUESTION = "Which of these documents names a person first?"
@@ -109,31 +111,38 @@ def half_new_parser(description: str, prompts: int, out: Path) -> argparse.Argum
     return parser
 
 
+def recompute_ratio(text: str) -> float:
+    """A `--ratio` argument: a number in [0, 1] (argparse reports anything else)."""
+    ratio = float(text)
+    check_ratio(ratio)
+    return ratio
+
+
 @contextmanager
-def warmed_fused_server(label: str, pool: list[str]) -> Iterator[tuple[Any, Any]]:
-    """The fused arm's server (every prompt with a stored chunk fused) after `warm_up`, and an
-    OpenAI client of it."""
+def warmed_server(
+    label: str, pool: list[str], arm: str = "fused"
+) -> Iterator[tuple[Any, Any, float]]:
+    """The server of `arm` (its `fusion_min_matched_share`, `ARMS`) after `warm_up`, an OpenAI
+    client of it, and the warm-up's fused TTFT (the model check's)."""
     import openai
 
-    settings = {"fusion_by_default": True, "fusion_min_matched_share": ARMS["fused"]}
-    env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
+    env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(arm_settings(arm))}
     with smollm2_server(label, extra_args=FLAGS, env=env) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        warm_up(client, server.url, pool)
-        yield server, client
+        yield server, client, warm_up(client, server.url, pool)
+
+
+def arm_settings(arm: str) -> dict[str, Any]:
+    return {"fusion_by_default": True, "fusion_min_matched_share": ARMS[arm]}
 
 
 def run(
-    url: str, pool: list[str], measured: list[tuple[int, list[str]]], ratio: float | None = None
+    url: str, client: Any, measured: list[tuple[int, list[str]]], ratio: float | None = None
 ) -> dict[str, Any]:
-    """The first fused request's TTFT (it pays the model check), one row per measured prompt,
-    and the shadow checks' counts and the ratio "auto" held per tier at the end. `ratio`: the
-    recompute ratio the measured fused prompts ask for (None: the server's default)."""
+    """One row per measured prompt, and the shadow checks' counts and the ratio "auto" held per
+    tier at the end. `ratio`: the recompute ratio the measured fused prompts ask for (None: the
+    server's default)."""
     pinned = {} if ratio is None else {"fusion_recompute_ratio": ratio}
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-    first_ttft_s = warm_up(client, url, pool)
     rows = []
     for number, (seen, docs) in enumerate(tqdm(measured, desc="prompts", disable=None)):
         before = fusion_counters(url)
@@ -154,7 +163,7 @@ def run(
                 "off_ttft_s": off.ttft_s,
             }
         )
-    return {"first_fused_ttft_s": first_ttft_s, "rows": rows, **shadow_state(url)}
+    return {"rows": rows, **shadow_state(url)}
 
 
 def shadow_state(url: str) -> dict[str, Any]:
@@ -263,13 +272,16 @@ def main() -> int:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument(
         "--ratio",
-        type=float,
+        type=recompute_ratio,
         help="recompute ratio the measured fused prompts ask for (default: the server's)",
     )
     parser.add_argument(
         "--summary-only", action="store_true", help="summarise and redraw the rows of --out"
     )
     args = parser.parse_args()
+    if args.ratio is not None and "fallback" in args.arms.split(","):
+        # A request that pins its ratio is fused whatever its matched share (`below_break_even`).
+        parser.error("--ratio: a pinned ratio is fused whatever its share; use --arms fused")
     if args.summary_only:
         kept = json.loads(args.out.read_text())
         kept["summary"] = summarise({arm: r["rows"] for arm, r in kept["arms"].items()})
@@ -278,13 +290,12 @@ def main() -> int:
     pool, measured = prompts(args.per_request, args.repeats, args.seen)
     report["arms"] = {}
     for arm in args.arms.split(","):
-        settings = {"fusion_by_default": True, "fusion_min_matched_share": ARMS[arm]}
-        env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(settings)}
-        with smollm2_server(f"break-even-{arm}", extra_args=FLAGS, env=env) as server:
+        with warmed_server(f"break-even-{arm}", pool, arm) as (server, client, first_ttft_s):
             report["arms"][arm] = {
-                "settings": settings,
+                "settings": arm_settings(arm),
                 "ratio": args.ratio,
-                **run(server.url, pool, measured, args.ratio),
+                "first_fused_ttft_s": first_ttft_s,
+                **run(server.url, client, measured, args.ratio),
             }
     report["summary"] = summarise({arm: r["rows"] for arm, r in report["arms"].items()})
     brief: dict[str, Any] = {"break_even": report["summary"].get("break_even_matched_share")}

@@ -29,8 +29,9 @@ from benchmarks.fusion_break_even import (
     QUESTION,
     half_new_parser,
     prompts,
+    recompute_ratio,
     shadow_state,
-    warmed_fused_server,
+    warmed_server,
 )
 from benchmarks.smollm2_server import RESULTS, report_header, write_json
 from examples.openai_rag import ask
@@ -53,7 +54,7 @@ def main() -> int:
     parser = half_new_parser(__doc__.splitlines()[0], 24, RESULTS / "checked_ratio_half_new.json")
     parser.add_argument(
         "--ratio",
-        type=float,
+        type=recompute_ratio,
         help="a recompute ratio the prompts ask for: the checks measure it, the target does not "
         "move it (default: the ratio 'auto')",
     )
@@ -61,7 +62,7 @@ def main() -> int:
     pinned = {} if args.ratio is None else {"fusion_recompute_ratio": args.ratio}
     pool, measured = prompts(args.per_request, args.prompts, [args.seen])
     rows: list[dict[str, Any]] = []
-    with warmed_fused_server("checked-ratio", pool) as (server, client):
+    with warmed_server("checked-ratio", pool) as (server, client, _):
         for _, docs in measured:
             done = shadow_state(server.url)["shadow_checks"].get("checked", 0)
             answer = ask(client, "default", docs, QUESTION, fusion_shadow=True, **pinned)

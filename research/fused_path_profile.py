@@ -36,7 +36,7 @@ from benchmarks.fusion_break_even import (
     QUESTION,
     half_new_parser,
     prompts,
-    warmed_fused_server,
+    warmed_server,
 )
 from benchmarks.smollm2_server import RESULTS, report_header, write_json
 from examples.openai_rag import SYSTEM, Answer, ask
@@ -141,7 +141,7 @@ def main() -> int:
     args = parser.parse_args()
     pool, measured = prompts(args.per_request, args.prompts, [args.seen])
     runs: list[dict[str, Any]] = []
-    with warmed_fused_server("fused-path", pool) as (server, client):
+    with warmed_server("fused-path", pool) as (server, client, _):
         pid = scheduler_pid(server.port)
         for number, (_, docs) in enumerate(measured):
             fused_ttft, fused = profiled(
