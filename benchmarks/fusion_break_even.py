@@ -8,7 +8,10 @@ its new paragraphs are still kept, as the fallback does). A pool of paragraphs, 
 from the corpus as the new ones are, is asked once first, so `auto_chunks` keeps them, then two of
 them in one fused prompt: the server's first fused batch pays the model check (a normal prefill and
 a fused one at ratio 1 beside it), once per server, reported as the arm's `first_fused_ttft_s` and
-kept out of the measured prompts. Then each prompt holds `--per-request` paragraphs, `seen` of them
+kept out of the measured prompts; then one prompt of the measured shape (`--per-request`
+paragraphs, half of them from the pool, the rest from paragraphs no measured prompt holds): the
+first long prompts of a process pay for its heap growing to their size (tens of thousands of page
+faults), also once per server, reported as `shaped_warm_up_ttft_s`. Then each prompt holds `--per-request` paragraphs, `seen` of them
 from the pool and the rest never seen before (kept by this prompt, reused by none), for every
 `seen` from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
 server's default ratio, not shadow-checked) and then with `{"fusion": false}` behind a system
@@ -40,7 +43,7 @@ import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import requests
 from tqdm import tqdm
@@ -59,18 +62,35 @@ ARMS = {"fused": 0.0, "fallback": 1.0}  # fusion_min_matched_share of each arm
 QUESTION = "Which of these documents names a person first?"
 
 
-def prompts(
-    per_request: int, repeats: int, seen_counts: list[int] | None = None
-) -> tuple[list[str], list[tuple[int, list[str]]]]:
-    """The pool asked first, and (seen, paragraphs) of every measured prompt, in order; `seen`
-    takes each of `seen_counts` (default 0 to `per_request`)."""
+class Traffic(NamedTuple):
+    """The pool asked first, the warm-up's prompt of the measured shape, and (seen, paragraphs)
+    of every measured prompt, in order."""
+
+    pool: list[str]
+    shaped_warm_up: list[str]
+    measured: list[tuple[int, list[str]]]
+
+
+class WarmUp(NamedTuple):
+    """TTFTs of the warm-up's fused prompts: the first (the model check's) and the one of the
+    measured shape."""
+
+    model_check_ttft_s: float
+    shaped_ttft_s: float
+
+
+def prompts(per_request: int, repeats: int, seen_counts: list[int] | None = None) -> Traffic:
+    """The traffic of a run: `seen` takes each of `seen_counts` (default 0 to `per_request`)."""
     rng = random.Random(2026)
     counts = list(range(per_request + 1)) if seen_counts is None else seen_counts
     if not all(0 <= seen <= per_request for seen in counts):
         raise SystemExit(f"--seen: counts must lie in [0, {per_request}], got {counts}")
     fresh_needed = repeats * sum(per_request - seen for seen in counts)
     pool_size = 2 * per_request
-    corpus, _ = corpus_of(pool_size + fresh_needed)
+    # The corpus's first paragraphs are the same whatever its size: the warm-up's new ones come
+    # after those the measured prompts draw from, which stay as they were.
+    corpus, _ = corpus_of(pool_size + fresh_needed + per_request)
+    corpus, spare = corpus[: pool_size + fresh_needed], corpus[pool_size + fresh_needed :]
     # The pool drawn at random, not the corpus's first paragraphs: those are shorter than the
     # rest (110 against 148 SmolLM2 tokens for a pool of 24), which made a prompt half of whose
     # paragraphs were seen one with 0.42 of its tokens seen.
@@ -84,20 +104,27 @@ def prompts(
             docs = rng.sample(pool, seen) + [next(fresh) for _ in range(per_request - seen)]
             rng.shuffle(docs)
             measured.append((seen, docs))
-    return pool, measured
+    shaped = random.Random(2027).sample(pool, per_request // 2) + spare[per_request // 2 :]
+    return Traffic(pool, shaped, measured)
 
 
-def warm_up(client: Any, url: str, pool: list[str]) -> float:
+def warm_up(client: Any, url: str, traffic: Traffic) -> WarmUp:
     """Each pool paragraph asked once (`auto_chunks` keeps them, stored before this returns),
-    then two of them fused; returns that fused request's TTFT. The first fused batch is served
-    after the model check (a normal prefill and a fused one at ratio 1 beside it): a
-    once-per-server cost, paid here and reported, not by a measured prompt."""
+    then two of them fused, then the prompt of the measured shape. The first fused batch is
+    served after the model check (a normal prefill and a fused one at ratio 1 beside it), the
+    first long prompts pay for the heap's growth: once-per-server costs, paid here and
+    reported, not by a measured prompt."""
+    pool = traffic.pool
     for start in range(0, len(pool), 4):
         ask(client, "default", pool[start : start + 4], QUESTION, system="Warm-up. " + SYSTEM)
     fusion_counters(url)
     first = ask(client, "default", pool[:2], QUESTION, system="Warm-up, fused. " + SYSTEM)
     fusion_counters(url)
-    return first.ttft_s
+    shaped = ask(
+        client, "default", traffic.shaped_warm_up, QUESTION, system="Warm-up, shaped. " + SYSTEM
+    )
+    fusion_counters(url)
+    return WarmUp(first.ttft_s, shaped.ttft_s)
 
 
 def half_new_parser(description: str, prompts: int, out: Path) -> argparse.ArgumentParser:
@@ -120,16 +147,16 @@ def recompute_ratio(text: str) -> float:
 
 @contextmanager
 def warmed_server(
-    label: str, pool: list[str], arm: str = "fused"
-) -> Iterator[tuple[Any, Any, float]]:
+    label: str, traffic: Traffic, arm: str = "fused"
+) -> Iterator[tuple[Any, Any, WarmUp]]:
     """The server of `arm` (its `fusion_min_matched_share`, `ARMS`) after `warm_up`, an OpenAI
-    client of it, and the warm-up's fused TTFT (the model check's)."""
+    client of it, and the warm-up's fused TTFTs."""
     import openai
 
     env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(arm_settings(arm))}
     with smollm2_server(label, extra_args=FLAGS, env=env) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-        yield server, client, warm_up(client, server.url, pool)
+        yield server, client, warm_up(client, server.url, traffic)
 
 
 def arm_settings(arm: str) -> dict[str, Any]:
@@ -287,15 +314,16 @@ def main() -> int:
         kept["summary"] = summarise({arm: r["rows"] for arm, r in kept["arms"].items()})
         return write_report(kept, args.out, plot, kept["summary"].get("break_even_matched_share"))
     report: dict[str, Any] = report_header("benchmarks.fusion_break_even")
-    pool, measured = prompts(args.per_request, args.repeats, args.seen)
+    traffic = prompts(args.per_request, args.repeats, args.seen)
     report["arms"] = {}
     for arm in args.arms.split(","):
-        with warmed_server(f"break-even-{arm}", pool, arm) as (server, client, first_ttft_s):
+        with warmed_server(f"break-even-{arm}", traffic, arm) as (server, client, warmed):
             report["arms"][arm] = {
                 "settings": arm_settings(arm),
                 "ratio": args.ratio,
-                "first_fused_ttft_s": first_ttft_s,
-                **run(server.url, client, measured, args.ratio),
+                "first_fused_ttft_s": warmed.model_check_ttft_s,
+                "shaped_warm_up_ttft_s": warmed.shaped_ttft_s,
+                **run(server.url, client, traffic.measured, args.ratio),
             }
     report["summary"] = summarise({arm: r["rows"] for arm, r in report["arms"].items()})
     brief: dict[str, Any] = {"break_even": report["summary"].get("break_even_matched_share")}

@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct fp32 on CPU through transformers' modules (`HFCausalLMAdapter`), the
 prompts of `benchmarks/fusion_speed.py` (>= 6 shuffled HotpotQA paragraphs, >= 3K tokens, every
-paragraph a registered chunk). A request runs what the server's scheduler runs for it: match the
+paragraph a registered chunk; with `--new S` a share S of each prompt's paragraphs, drawn per
+prompt, is not registered: new text the prefill computes). A request runs what the server's scheduler runs for it: match the
 prompt against the chunk index and pin the chunks, the executor's prefill, write the K/V into a
 token pool at scattered slots (as into SGLang's pool). The executor's and the adapter's functions
 are wrapped with timers (nothing in them changes), each stage charged its exclusive time:
@@ -31,16 +32,14 @@ repeat, so each ratio is measured back to back; medians over repeats, then over 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
+import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -49,14 +48,13 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.breakdown_report import print_table, summarize
+from benchmarks.code_variants import Variant, build_variants
 from benchmarks.fusion_speed import build_prompts
 from benchmarks.prefill_flops import DecoderShape, PrefillWork, fused_work, normal_work
 from benchmarks.retention_methods import parse_method
 from benchmarks.smollm2_in_process import load_smollm2
 from benchmarks.smollm2_server import MODEL, RESULTS, write_json
 from benchmarks.stage_timer import StageTimer
-from sglang_hicache_ext.fusion import adapter as adapter_module
-from sglang_hicache_ext.fusion import executor as installed_executor
 from sglang_hicache_ext.fusion import precompute_chunk
 from sglang_hicache_ext.fusion.request import Segment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.selectors import FullSelector, Selector
@@ -66,87 +64,25 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registry import ChunkRegistry
 from sglang_hicache_ext.tiers.chunks.host_cache import HostChunkCache
 
 ADAPTER_STEPS = ("embed", "attention_inputs", "attention_output", "logits", "rotate")
-REPO = Path(__file__).resolve().parent.parent
-
-
-def module_from_file(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-def module_at_revision(revision: str, path: str, folder: Path) -> ModuleType:
-    """`path` as committed at `revision`, imported under a private name."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout
-    target = folder / path.replace("/", "_")
-    target.write_text(source)
-    return module_from_file(f"base_{target.stem}", target)
-
-
-@dataclass
-class Variant:
-    """The code a mode runs: an executor module and attributes replaced around each run."""
-
-    executor: ModuleType
-    patches: list[tuple[Any, str, Any]] = field(default_factory=list)
-
-    @contextmanager
-    def applied(self) -> Iterator[None]:
-        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self.patches]
-        for owner, name, value in self.patches:
-            setattr(owner, name, value)
-        try:
-            yield
-        finally:
-            for owner, name, value in saved:
-                setattr(owner, name, value)
-
-
-def build_variants(
-    base: str | None, executor_file: Path | None, folder: Path
-) -> dict[str, Variant]:
-    variants = {"": Variant(installed_executor)}
-    if base is not None:
-        attention = module_at_revision(base, "fusion/attention.py", folder)
-        rope = module_at_revision(base, "fusion/rope.py", folder)
-        variants["base"] = Variant(
-            installed_executor,
-            [
-                (
-                    installed_executor,
-                    "attend",
-                    _without_layout(attention.position_causal_attention),
-                ),
-                (adapter_module, "apply_rope", rope.apply_rope),
-            ],
-        )
-    if executor_file is not None:
-        variants["patched"] = Variant(module_from_file("patched_executor", executor_file))
-    return variants
-
-
-def _without_layout(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """An older revision's attention under today's executor, which also tells it the layout
-    (`causal`, `host_positions`): revisions before 805434a took no such arguments."""
-
-    def call(*args: Any, causal: bool | None = None, host_positions: Any = None) -> torch.Tensor:
-        return attend(*args)
-
-    return call
 
 
 class Request:
-    """One prompt with its chunks registered, and the token pool its K/V is written into."""
+    """One prompt with its chunks registered (all but a share `new` of its paragraphs, drawn
+    with `seed`), and the token pool its K/V is written into."""
 
-    def __init__(self, adapter: Any, tokenizer: Any, docs: list[str], prompt: str) -> None:
+    def __init__(
+        self,
+        adapter: Any,
+        tokenizer: Any,
+        docs: list[str],
+        prompt: str,
+        new: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         self.ids: list[int] = tokenizer.encode(prompt)
         self.registry = ChunkRegistry(2**31, adapter.rope_specs())
-        for doc in docs:
+        stored = random.Random(seed).sample(docs, len(docs) - round(new * len(docs)))
+        for doc in stored:
             tokens = tokenizer.encode(doc, add_special_tokens=False)
             self.registry.add(precompute_chunk(adapter, tokens))
         shape, n = adapter.shape, len(self.ids)
@@ -332,6 +268,9 @@ def main() -> int:
     parser.add_argument("--modes", default="normal,a3,epic,reuse")
     parser.add_argument("--min-docs", type=int, default=6)
     parser.add_argument("--min-tokens", type=int, default=3000, help="prompt length at least")
+    parser.add_argument(
+        "--new", type=float, default=0.0, help="share of each prompt's paragraphs not registered"
+    )
     parser.add_argument("--base", default=None, help="git revision the @base modes run")
     parser.add_argument("--executor", type=Path, default=None, help="what @patched modes run")
     parser.add_argument(
@@ -342,6 +281,8 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "fusion_breakdown.json")
     args = parser.parse_args()
+    if not 0.0 <= args.new < 1.0:
+        parser.error(f"--new: a share in [0, 1), got {args.new}")
     if args.clock == "cpu" and args.threads != 1:
         raise SystemExit("--clock cpu counts the calling thread only: use it with --threads 1")
     modes = args.modes.split(",")
@@ -354,7 +295,10 @@ def main() -> int:
     per_prompt = []
     load_before = os.getloadavg()
     with torch.inference_mode():
-        requests = [Request(adapter, tokenizer, docs, prompt) for docs, prompt in prompts]
+        requests = [
+            Request(adapter, tokenizer, docs, prompt, args.new, seed)
+            for seed, (docs, prompt) in enumerate(prompts)
+        ]
         measure_prompt(variants, adapter, requests[0], modes, args.ratio, 1, timer)  # warm-up
         for request in tqdm(requests, desc="prompts", unit="prompt", disable=None):
             measured = measure_prompt(
@@ -372,6 +316,7 @@ def main() -> int:
         "threads": args.threads,
         "clock": args.clock,
         "ratio": args.ratio,
+        "new_share": args.new,
         "base_revision": args.base,
         "patched_executor": str(args.executor) if args.executor else None,
         "load_average_before_after": [load_before, os.getloadavg()],

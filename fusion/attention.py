@@ -16,7 +16,9 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang_hicache_ext.fusion.scattered_attention import (
     ascending,
     block_bounds,
+    cpu_flash_with_lse,
     query_block_attention,
+    split_block_attention,
 )
 
 
@@ -83,10 +85,13 @@ def position_causal_attention(
     elif not told and bool(query_positions.min() >= key_positions.max()):
         # Every query sees every key (decode, or a last-token extend): no mask to build.
         return _attend_all(query, key, value, scale)
-    elif new_tokens_last and _cpu_flash_with_lse is not None and q.device.type == "cpu":
+    elif new_tokens_last and cpu_flash_with_lse is not None and q.device.type == "cpu":
         out = _prefix_extend_attention(q, k, v, prefix_len, scale)
     elif keys_from_zero and q.device.type == "cpu" and ascending(query_positions):
-        out = query_block_attention(q, k, v, query_positions, key_positions, scale, gqa)
+        if cpu_flash_with_lse is not None:
+            out = split_block_attention(q, k, v, query_positions, key_positions, scale)
+        else:
+            out = query_block_attention(q, k, v, query_positions, key_positions, scale, gqa)
     elif told and host_positions is not None:
         out = query_block_attention(
             q, k, v, query_positions, key_positions, scale, gqa, host_positions
@@ -254,11 +259,6 @@ def _is_arange(positions: torch.Tensor, start: int = 0) -> bool:
     )
 
 
-# torch's CPU flash kernel also returns the log-sum-exp, which lets two partial attentions be
-# merged exactly. It is an aten op without a public wrapper; without it we use the mask path.
-_cpu_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
 def _prefix_extend_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float | None
 ) -> torch.Tensor:
@@ -268,10 +268,10 @@ def _prefix_extend_attention(
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out_prefix, lse_prefix = _cpu_flash_with_lse(
+    out_prefix, lse_prefix = cpu_flash_with_lse(
         q, k[:, :, :prefix_len], v[:, :, :prefix_len], scale=scale
     )
-    out_new, lse_new = _cpu_flash_with_lse(
+    out_new, lse_new = cpu_flash_with_lse(
         q, k[:, :, prefix_len:], v[:, :, prefix_len:], is_causal=True, scale=scale
     )
     weight_prefix = torch.sigmoid(lse_prefix.float() - lse_new.float()).unsqueeze(-1)

@@ -3,9 +3,16 @@
 Query block by block, each block over only the keys up to its last query's position: a masked
 SDPA kernel cannot skip masked-out key blocks, so one call over every key computes every
 query x key pair, while the blocks compute about the visible ones (a query at position p sees
-p + 1 keys). The additive mask is built once per (query positions, key positions) pair and kept
-for the next call: the fused prefill attends the same positions at every layer after the
-selection, so the per-layer compare and fill passes over the [q, k] mask go away.
+p + 1 keys).
+
+On the CPU each block is split at its first query's position: every query of the block sees
+the keys before it, so that part runs on the flash kernel without a mask (its fastest path),
+and only the keys between its first and its last query take a mask; the two parts are merged by
+their log-sum-exps. A GQA model's query heads of one key head are folded into the rows, so the
+keys and values are never copied per query head. The tail masks are built once per
+(query positions, key positions) pair and kept for the next call: the fused prefill attends the
+same positions at every layer after the selection. (docs/auto-chunks.md, "When fusion does not
+pay", measures both against the causal kernel.)
 
 On a GPU the blocks are fewer and larger (a call must fill the chip), their bounds come from a
 host copy of the positions and the mask is found by the positions tensors' identity: reading
@@ -18,7 +25,9 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -30,6 +39,12 @@ QUERY_BLOCK = 128
 # GPU_MIN_BLOCK queries (the last one excepted), below which a call no longer fills an H200.
 GPU_BLOCKS = 8
 GPU_MIN_BLOCK = 256
+
+
+# torch's CPU flash kernel also returns the log-sum-exp, which lets two partial attentions be
+# merged exactly. It is an aten op without a public wrapper; without it the blocks take the mask
+# over all their keys.
+cpu_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def ascending(positions: torch.Tensor) -> bool:
@@ -52,7 +67,12 @@ def query_block_attention(
     `host_positions`: the same positions in host memory (the blocks' bounds are read there).
     `gpu_blocks`: block as for a GPU (default: when `q` is on one)."""
     gpu = q.is_cuda if gpu_blocks is None else gpu_blocks
-    mask = _mask_cache.get(query_positions, key_positions, q.dtype)
+    mask = _kept.get(
+        query_positions,
+        key_positions,
+        ("mask", q.dtype, q.device),
+        lambda: _causal_mask(query_positions, key_positions, q.dtype),
+    )
     outs = []
     for start, end, visible in block_bounds(
         query_positions if host_positions is None else host_positions, gpu=gpu, num_keys=k.shape[2]
@@ -74,6 +94,84 @@ def query_block_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+def split_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    """`query_block_attention`'s result on the CPU (needs `cpu_flash_with_lse`), each block in
+    two parts: its queries over the keys before its first query (no mask) and over the keys
+    between its first and its last query (masked), merged by their log-sum-exps. Same shapes: `q`
+    [1, Hq, Lq, D] at ascending `query_positions`, `k`/`v` [1, Hkv, Lk, D] at 0..Lk-1."""
+    assert cpu_flash_with_lse is not None
+    _, heads, count, _ = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    # [1, Hq, L, D] -> [1, Hkv, L * group, D]: row i * group + g is query i of head g of its
+    # key head (query head h reads key head h // group), so a block is a run of rows.
+    rows = q.view(1, kv_heads, group, count, q.shape[-1]).transpose(2, 3)
+    rows = rows.reshape(1, kv_heads, count * group, q.shape[-1])
+    plan = _kept.get(
+        query_positions,
+        key_positions,
+        ("split", q.dtype, group),
+        lambda: _split_plan(query_positions, q.dtype, group),
+    )
+    value_dim = v.shape[-1]
+    # Written block by block in the layout the caller reads ([L, Hq, Dv] rows): no concatenation
+    # and no unfolding copy afterwards.
+    result = q.new_empty((count, kv_heads, group, value_dim))
+
+    def by_query(t: torch.Tensor, queries: int) -> torch.Tensor:
+        # [1, Hkv, queries * group, X] -> [queries, Hkv, group, X], a view.
+        return t.view(kv_heads, queries, group, t.shape[-1]).transpose(0, 1)
+
+    for start, end, first, last, tail_mask in plan:
+        block = rows[:, :, start * group : end * group]
+        out, lse = cpu_flash_with_lse(
+            block,
+            k[:, :, first : last + 1],
+            v[:, :, first : last + 1],
+            attn_mask=tail_mask,
+            scale=scale,
+        )
+        queries = end - start
+        if first == 0:
+            result[start:end] = by_query(out, queries)
+            continue
+        seen, seen_lse = cpu_flash_with_lse(block, k[:, :, :first], v[:, :, :first], scale=scale)
+        # Each part weighted by its share of the softmax mass: out + w * (seen - out), in
+        # float32 as the kernel accumulates.
+        weight = by_query(torch.sigmoid(seen_lse.float() - lse.float()).unsqueeze(-1), queries)
+        if out.dtype == torch.float32:
+            torch.lerp(
+                by_query(out, queries), by_query(seen, queries), weight, out=result[start:end]
+            )
+        else:
+            result[start:end] = torch.lerp(
+                by_query(out, queries).float(), by_query(seen, queries).float(), weight
+            )
+    return result.view(count, heads, value_dim).transpose(0, 1).unsqueeze(0)
+
+
+def _split_plan(
+    positions: torch.Tensor, dtype: torch.dtype, group: int
+) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    """(first query, end query, first position, last position, tail mask) of each CPU block;
+    the tail mask [rows, last - first + 1] is additive, each query's row repeated `group`
+    times (the folded heads)."""
+    plan = []
+    for start, end, visible in block_bounds(positions, gpu=False):
+        first = int(positions[start])
+        tail = torch.arange(first, visible, device=positions.device)
+        mask = _causal_mask(positions[start:end], tail, dtype)
+        plan.append((start, end, first, visible - 1, mask.repeat_interleave(group, dim=0)))
+    return plan
+
+
 def block_bounds(
     positions: torch.Tensor, *, gpu: bool, num_keys: int | None = None
 ) -> list[tuple[int, int, int]]:
@@ -92,8 +190,8 @@ def block_bounds(
     return bounds
 
 
-# The positions a mask was built for: a copy (CPU, compared by value) or a reference (GPU,
-# compared by identity).
+# The positions a kept object was built for: a copy (CPU, compared by value) or a reference
+# (GPU, compared by identity).
 PositionsKey = torch.Tensor | weakref.ref[torch.Tensor]
 
 
@@ -101,21 +199,23 @@ PositionsKey = torch.Tensor | weakref.ref[torch.Tensor]
 class _Entry:
     queries: PositionsKey
     keys: PositionsKey
-    mask: torch.Tensor
+    kind: Hashable
+    value: Any
     finalizer: weakref.finalize | None = None
 
 
-class _RecentMasks:
-    """The additive causal-by-position masks of the last few pairs of positions seen: one per
-    request of a batched prefill, whose requests take turns at every layer.
+class _RecentPlans:
+    """What the blocks of the last few pairs of positions need, built once per pair: the GPU's
+    additive causal-by-position mask, the CPU's split plan. One per request of a batched
+    prefill, whose requests take turns at every layer.
 
     On the CPU an entry keeps copies of its positions and a hit compares them (a few thousand
-    integers, no pass over the mask), so a mask is never used for other positions. On a GPU it
+    integers, no pass over a mask), so a plan is never used for other positions. On a GPU it
     keeps references and a hit is the same tensors: comparing values would read the GPU back at
     every layer. A caller on a GPU must therefore never change a positions tensor in place (the
     executor builds them per request; RoPE's tables rely on the same). An entry is dropped when
     its query positions are freed (the end of a request) or when newer ones push it out, so a
-    long prompt's mask does not outlive it."""
+    long prompt's plan does not outlive it."""
 
     SIZE = 4
 
@@ -126,31 +226,35 @@ class _RecentMasks:
         self._entries: list[_Entry] = []
 
     def get(
-        self, query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
+        self,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
+        kind: Hashable,
+        build: Callable[[], Any],
+    ) -> Any:
+        """The value of `kind` kept for these positions, else `build()`'s, kept."""
         with self._lock:
             for entry in self._entries:
                 if (
-                    entry.mask.dtype == dtype
-                    and entry.mask.device == query_positions.device
+                    entry.kind == kind
                     and _same(entry.queries, query_positions)
                     and _same(entry.keys, key_positions)
                 ):
-                    return entry.mask
-            hidden = key_positions.unsqueeze(0) > query_positions.unsqueeze(1)
-            mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
-            mask.masked_fill_(hidden, float("-inf"))
+                    return entry.value
+            value = build()
             if query_positions.is_cuda:
-                entry = _Entry(weakref.ref(query_positions), weakref.ref(key_positions), mask)
+                entry = _Entry(
+                    weakref.ref(query_positions), weakref.ref(key_positions), kind, value
+                )
             else:
-                entry = _Entry(query_positions.clone(), key_positions.clone(), mask)
+                entry = _Entry(query_positions.clone(), key_positions.clone(), kind, value)
             entry.finalizer = weakref.finalize(query_positions, self._drop, entry)
             self._entries.insert(0, entry)
             for old in self._entries[self.SIZE :]:
                 assert old.finalizer is not None
-                old.finalizer.detach()  # its mask goes now, not with its positions
+                old.finalizer.detach()  # its value goes now, not with its positions
             del self._entries[self.SIZE :]
-            return mask
+            return value
 
     def _drop(self, entry: _Entry) -> None:
         with self._lock:
@@ -161,10 +265,23 @@ class _RecentMasks:
         return len(self._entries)
 
 
+def _causal_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive [q, k] mask: 0 where the key's position is at most the query's, else -inf."""
+    hidden = key_positions.unsqueeze(0) > query_positions.unsqueeze(1)
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    return mask.masked_fill_(hidden, float("-inf"))
+
+
 def _same(kept: PositionsKey, positions: torch.Tensor) -> bool:
     if isinstance(kept, weakref.ref):
         return kept() is positions
-    return kept.shape == positions.shape and bool(torch.equal(kept, positions))
+    return (
+        kept.device == positions.device
+        and kept.shape == positions.shape
+        and bool(torch.equal(kept, positions))
+    )
 
 
-_mask_cache = _RecentMasks()
+_kept = _RecentPlans()

@@ -60,10 +60,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     pinned = {} if args.ratio is None else {"fusion_recompute_ratio": args.ratio}
-    pool, measured = prompts(args.per_request, args.prompts, [args.seen])
+    traffic = prompts(args.per_request, args.prompts, [args.seen])
     rows: list[dict[str, Any]] = []
-    with warmed_server("checked-ratio", pool) as (server, client, _):
-        for _, docs in measured:
+    with warmed_server("checked-ratio", traffic) as (server, client, _):
+        for _, docs in traffic.measured:
             done = shadow_state(server.url)["shadow_checks"].get("checked", 0)
             answer = ask(client, "default", docs, QUESTION, fusion_shadow=True, **pinned)
             fusion_counters(server.url)  # the pieces it kept are stored

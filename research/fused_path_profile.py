@@ -2,8 +2,8 @@
 
 SmolLM2-135M-Instruct on the CPU server, the break-even benchmark's settings and prompts
 (`benchmarks/fusion_break_even.py`: `auto_chunks`, `fusion_by_default`,
-`fusion_min_matched_share` 0): a pool of paragraphs asked once, one fused warm-up prompt (the
-model check), then `--prompts` prompts of `--per-request` paragraphs, `--seen` of them from the
+`fusion_min_matched_share` 0, and its warm-up: a pool of paragraphs asked once, a fused prompt
+for the model check, one of the measured shape), then `--prompts` prompts of `--per-request` paragraphs, `--seen` of them from the
 pool. Each prompt is sent fused and then with fusion off (one output token each), one at a
 time, while py-spy samples the scheduler's main thread (50 Hz, busy samples only) for exactly
 that request. Each sample is charged to the first stage its stack enters: the executor's scoring
@@ -139,11 +139,11 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     parser = half_new_parser(__doc__.splitlines()[0], 4, RESULTS / "fused_path_profile.json")
     args = parser.parse_args()
-    pool, measured = prompts(args.per_request, args.prompts, [args.seen])
+    traffic = prompts(args.per_request, args.prompts, [args.seen])
     runs: list[dict[str, Any]] = []
-    with warmed_server("fused-path", pool) as (server, client, _):
+    with warmed_server("fused-path", traffic) as (server, client, _):
         pid = scheduler_pid(server.port)
-        for number, (_, docs) in enumerate(measured):
+        for number, (_, docs) in enumerate(traffic.measured):
             fused_ttft, fused = profiled(
                 pid, lambda docs=docs: ask(client, "default", docs, QUESTION, max_tokens=1)
             )

@@ -1,12 +1,14 @@
 """Scattered queries attended block by block over only the keys each block can see.
 
 The fused prefill's queries sit at scattered, ascending positions; `position_causal_attention`
-splits them into blocks and gives each block the keys up to its last query's position, with the
-mask built once per pair of position tensors. These tests pin that this changes nothing but the
+splits them into blocks and gives each block the keys up to its last query's position, with
+what the blocks need (the GPU's mask, the CPU's split plan) built once per pair of position
+tensors. On the CPU each block is split at its first query (no mask before it, merged by
+log-sum-exp), GQA heads folded into the rows. These tests pin that this changes nothing but the
 work: the output equals a float64 dense softmax and the one-call masked SDPA it replaces, across
-block edges, with MHA and GQA, and a kept mask is never used for other positions; and that
-what the executor tells attention of the layout (on a GPU, instead of reading positions back)
-is what the positions say.
+block edges, with MHA and GQA, on the split path and on the masked blocks it falls back to, and
+a kept plan is never used for other positions; and that what the executor tells attention of
+the layout (on a GPU, instead of reading positions back) is what the positions say.
 """
 
 from __future__ import annotations
@@ -47,16 +49,20 @@ def _scattered(num_keys: int, count: int, seed: int, late: bool = False) -> torc
     return torch.sort(picked).values
 
 
+@pytest.mark.parametrize("path", ["split", "masked"])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("late", [False, True], ids=["spread", "late"])
 def test_blocks_equal_reference_and_one_masked_call(
-    heads: tuple[int, int], late: bool, monkeypatch: pytest.MonkeyPatch
+    path: str, heads: tuple[int, int], late: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`split`: the CPU's blocks split at their first query; `masked`: each block under one
+    mask over all its keys (the CPU without torch's flash kernel with log-sum-exp)."""
     calls = []
-    blocked = scattered_attention.query_block_attention
-    monkeypatch.setattr(
-        attention, "query_block_attention", lambda *a: calls.append(1) or blocked(*a)
-    )
+    if path == "masked":
+        monkeypatch.setattr(attention, "cpu_flash_with_lse", None)
+    name = "split_block_attention" if path == "split" else "query_block_attention"
+    blocked = getattr(scattered_attention, name)
+    monkeypatch.setattr(attention, name, lambda *a: calls.append(1) or blocked(*a))
     torch.manual_seed(0)
     num_keys, count = (
         900,
@@ -78,7 +84,24 @@ def test_blocks_equal_reference_and_one_masked_call(
     torch.testing.assert_close(
         out, _one_masked_call(q, k, v, q_pos, k_pos, scale), atol=1e-6, rtol=1e-6
     )
-    assert calls, "ascending scattered queries take the block path"
+    assert calls, f"ascending scattered queries take the {path} block path"
+
+
+def test_split_blocks_in_bfloat16() -> None:
+    """The split path merges its parts in float32 and returns the query's dtype."""
+    torch.manual_seed(12)
+    num_keys = 600
+    q_pos = _scattered(num_keys, 2 * scattered_attention.QUERY_BLOCK + 9, 13)
+    q, k, v = (
+        torch.randn(len(q_pos), 9, 32),
+        torch.randn(num_keys, 3, 32),
+        torch.randn(num_keys, 3, 32),
+    )
+    k_pos = torch.arange(num_keys)
+    out = position_causal_attention(*(t.bfloat16() for t in (q, k, v)), q_pos, k_pos, 0.2)
+    assert out.dtype == torch.bfloat16
+    expected = reference_attention(q, k, v, q_pos, k_pos, 0.2)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
 
 
 def test_first_query_at_position_zero_and_block_edges() -> None:
@@ -140,14 +163,19 @@ def test_unsorted_queries_keep_the_one_call_path() -> None:
     )
 
 
-def test_kept_mask_follows_the_positions() -> None:
-    """Layer after layer over the same position tensors the mask is built once; new positions,
-    or the same tensor changed in place, get their own mask."""
+def _kept_plans(q_pos: torch.Tensor) -> list[object]:
+    kept = scattered_attention._kept._entries
+    return [e.value for e in kept if scattered_attention._same(e.queries, q_pos)]
+
+
+def test_kept_plan_follows_the_positions() -> None:
+    """Layer after layer over the same position tensors the CPU's split plan is built once; new
+    positions, or the same tensor changed in place, get their own plan."""
     torch.manual_seed(6)
     num_keys = 500
     q_pos, k_pos = _scattered(num_keys, 150, 7), torch.arange(num_keys)
-    # Masks of earlier tests whose positions are still alive may stay; none of this test's may.
-    earlier = list(scattered_attention._mask_cache._entries)
+    # Plans of earlier tests whose positions are still alive may stay; none of this test's may.
+    earlier = list(scattered_attention._kept._entries)
 
     def check(q_pos: torch.Tensor) -> None:
         q, k, v = (
@@ -161,18 +189,19 @@ def test_kept_mask_follows_the_positions() -> None:
         )
 
     check(q_pos)
-    kept = scattered_attention._mask_cache.get(q_pos, k_pos, torch.float32)
+    [kept] = _kept_plans(q_pos)
     check(q_pos)  # the next layer: same positions, new activations
-    assert scattered_attention._mask_cache.get(q_pos, k_pos, torch.float32) is kept
+    assert [plan is kept for plan in _kept_plans(q_pos)] == [True]
     check(_scattered(num_keys, 150, 8))
     q_pos[:75] = _scattered(num_keys // 2, 75, 9)  # changed in place
     check(q_pos)
-    assert scattered_attention._mask_cache.get(q_pos, k_pos, torch.float32) is not kept
+    [rebuilt] = _kept_plans(q_pos)
+    assert rebuilt is not kept
     del q_pos
     gc.collect()
-    entries = scattered_attention._mask_cache._entries
+    entries = scattered_attention._kept._entries
     left = [e for e in entries if not any(e is old for old in earlier)]
-    assert not left, "the masks go with their positions"
+    assert not left, "the plans go with their positions"
 
 
 @pytest.mark.usefixtures("one_torch_thread")
