@@ -17,8 +17,10 @@ from sglang_hicache_ext.fusion.scattered_attention import (
     ascending,
     block_bounds,
     cpu_flash_with_lse,
+    fold_query_heads,
     query_block_attention,
     split_block_attention,
+    unfold_query_heads,
 )
 
 
@@ -264,19 +266,26 @@ def _prefix_extend_attention(
 ) -> torch.Tensor:
     """New tokens at positions prefix_len.. over keys 0..: the prefix part needs no mask and the
     new part is square-causal, so both run on the fast kernels (a masked kernel cannot skip
-    blocks), and the halves are merged by their log-sum-exps. Shapes are [1, H, L, D]."""
-    if k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out_prefix, lse_prefix = cpu_flash_with_lse(
-        q, k[:, :, :prefix_len], v[:, :, :prefix_len], scale=scale
-    )
-    out_new, lse_new = cpu_flash_with_lse(
-        q, k[:, :, prefix_len:], v[:, :, prefix_len:], is_causal=True, scale=scale
-    )
+    blocks), and the halves are merged by their log-sum-exps. Shapes are [1, H, L, D]. With
+    GQA the prefix part folds the query heads into rows (its keys, usually the most, are not
+    copied per query head); the causal part, whose rows must stay positions, repeats its keys."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    new_k, new_v = k[:, :, prefix_len:], v[:, :, prefix_len:]
+    if kv_heads != heads:
+        out_prefix, lse_prefix = cpu_flash_with_lse(
+            fold_query_heads(q, kv_heads), k[:, :, :prefix_len], v[:, :, :prefix_len], scale=scale
+        )
+        out_prefix = unfold_query_heads(out_prefix, heads)
+        lse_prefix = unfold_query_heads(lse_prefix, heads)
+        group = heads // kv_heads
+        new_k, new_v = new_k.repeat_interleave(group, dim=1), new_v.repeat_interleave(group, dim=1)
+    else:
+        out_prefix, lse_prefix = cpu_flash_with_lse(
+            q, k[:, :, :prefix_len], v[:, :, :prefix_len], scale=scale
+        )
+    out_new, lse_new = cpu_flash_with_lse(q, new_k, new_v, is_causal=True, scale=scale)
     weight_prefix = torch.sigmoid(lse_prefix.float() - lse_new.float()).unsqueeze(-1)
-    merged = out_new.float() + weight_prefix * (out_prefix.float() - out_new.float())
-    return merged.to(q.dtype)
+    return torch.lerp(out_new.float(), out_prefix.float(), weight_prefix).to(q.dtype)
 
 
 @functools.cache

@@ -94,6 +94,26 @@ def query_block_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+def fold_query_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[1, Hq, L, D] -> [1, Hkv, L * group, D]: row i * group + g is query i of the g-th query
+    head of its key head (query head h reads key head h // group). Attention of the folded rows
+    over [1, Hkv, Lk, D] keys needs no copy of the keys per query head; a mask, if any, has
+    each query's row `group` times."""
+    _, heads, count, dim = q.shape
+    group = heads // kv_heads
+    return q.view(1, kv_heads, group, count, dim).transpose(2, 3).reshape(1, kv_heads, -1, dim)
+
+
+def unfold_query_heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """`fold_query_heads`'s inverse for an output [1, Hkv, L * group, Dv] (or a log-sum-exp
+    [1, Hkv, L * group]): [1, Hq, L, Dv] (or [1, Hq, L])."""
+    kv_heads = rows.shape[1]
+    group = heads // kv_heads
+    tail = rows.shape[3:]
+    unfolded = rows.reshape(1, kv_heads, -1, group, *tail).transpose(2, 3)
+    return unfolded.reshape(1, heads, -1, *tail)
+
+
 def split_block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,10 +130,7 @@ def split_block_attention(
     _, heads, count, _ = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    # [1, Hq, L, D] -> [1, Hkv, L * group, D]: row i * group + g is query i of head g of its
-    # key head (query head h reads key head h // group), so a block is a run of rows.
-    rows = q.view(1, kv_heads, group, count, q.shape[-1]).transpose(2, 3)
-    rows = rows.reshape(1, kv_heads, count * group, q.shape[-1])
+    rows = fold_query_heads(q, kv_heads)  # a block is a run of rows
     plan = _kept.get(
         query_positions,
         key_positions,
