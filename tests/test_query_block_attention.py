@@ -64,10 +64,9 @@ def test_blocks_equal_reference_and_one_masked_call(
     blocked = getattr(scattered_attention, name)
     monkeypatch.setattr(attention, name, lambda *a: calls.append(1) or blocked(*a))
     torch.manual_seed(0)
-    num_keys, count = (
-        900,
-        3 * scattered_attention.QUERY_BLOCK + 17,
-    )  # several blocks and a short last one
+    # Several stretches of blocks (the CPU's split path), the last one short, as is its last block.
+    blocks = scattered_attention.STRETCH_BLOCKS + 2
+    num_keys, count = 1500, blocks * scattered_attention.QUERY_BLOCK + 17
     q_pos = _scattered(num_keys, count, seed=1, late=late)
     hq, hkv = heads
     q, k, v = (
