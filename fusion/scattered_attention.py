@@ -184,9 +184,9 @@ class _Part(NamedTuple):
         return _Part(out, torch.logaddexp(self.lse.float(), other.lse.float()))
 
 
-# Consecutive CPU blocks whose queries read the keys before the first of them in one call.
-# Four measured 0.76x the normal prefill in process on half-new prompts, against 0.78x with
-# each block reading them alone (docs/auto-chunks.md).
+# Consecutive CPU blocks whose queries read the keys before the first of them in one call:
+# four were a little faster in process than each block reading them alone, on half-new
+# prompts (docs/auto-chunks.md, "When fusion does not pay").
 STRETCH_BLOCKS = 4
 
 # (first query, end query, first position, last position, tail mask) of a CPU block.
