@@ -1,26 +1,27 @@
 """Where fusion stops paying: fused / normal TTFT against the share of the prompt already stored.
 
-SmolLM2-135M-Instruct on the CPU server, `auto_chunks` and `fusion_by_default` on, no registration,
-the shipped defaults otherwise. Two servers, one after the other, the same prompts:
-`fusion_min_matched_share` 0 ("fused": every prompt with a stored chunk is fused, whatever its
-share) and 1 ("fallback": every prompt falls back to the normal prefill, `below_break_even`, and
-its new paragraphs are still kept, as the fallback does). A pool of paragraphs, drawn at random
-from the corpus as the new ones are, is asked once first, so `auto_chunks` keeps them, then two of
-them in one fused prompt: the server's first fused batch pays the model check (a normal prefill and
-a fused one at ratio 1 beside it), once per server, reported as the arm's `first_fused_ttft_s` and
-kept out of the measured prompts; then one prompt of the measured shape (`--per-request`
-paragraphs, half of them from the pool, the rest from paragraphs no measured prompt holds): the
-first long prompts of a process pay for its heap growing to their size (tens of thousands of page
-faults), also once per server, reported as `shaped_warm_up_ttft_s`. Then each prompt holds `--per-request` paragraphs, `seen` of them
-from the pool and the rest never seen before (kept by this prompt, reused by none), for every
-`seen` from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
+SmolLM2-135M-Instruct on the CPU server, `auto_chunks` and `fusion_by_default` on, no
+registration, the shipped defaults otherwise. Two servers, one after the other, the same
+prompts: `fusion_min_matched_share` 0 ("fused": every prompt with a stored chunk is fused,
+whatever its share) and 1 ("fallback": every prompt falls back to the normal prefill,
+`below_break_even`, and its new paragraphs are still kept, as the fallback does). A pool of
+paragraphs, drawn at random from the corpus as the new ones are, is asked once first, so
+`auto_chunks` keeps them, then two of them in one fused prompt: the server's first fused batch
+pays the model check (a normal prefill and a fused one at ratio 1 beside it), once per server,
+reported as the arm's `first_fused_ttft_s` and kept out of the measured prompts; then one prompt
+of the measured shape (`--per-request` paragraphs, half of them from the pool, the rest from
+paragraphs no measured prompt holds): the first long prompts of a process pay for its heap
+growing to their size (tens of thousands of page faults), also once per server, reported as
+`shaped_warm_up_ttft_s`. Then each prompt holds `--per-request` paragraphs, `seen` of them from
+the pool and the rest never seen before (kept by this prompt, reused by none), for every `seen`
+from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
 server's default ratio, not shadow-checked) and then with `{"fusion": false}` behind a system
-prompt of its own (a number first: the fused prompt, in the prefix tree when it fell back, is not
-reused), one request at a time, TTFT the first streamed token; the fusion counters read between
-them wait for the pieces the fused prompt kept, so neither request pays for the other's capture.
-Each arm reports the shadow checks' counts and the ratio their target holds per tier at its end.
-`--ratio R` has the measured fused prompts ask for recompute ratio R instead of the server's (the
-fused arm only: a pinned ratio is fused whatever its share).
+prompt of its own (a number first: the fused prompt, in the prefix tree when it fell back, is
+not reused), one request at a time, TTFT the first streamed token; the fusion counters read
+between them wait for the pieces the fused prompt kept, so neither request pays for the other's
+capture. Each arm reports the shadow checks' counts and the ratio their target holds per tier at
+its end. `--ratio R` has the measured fused prompts ask for recompute ratio R instead of the
+server's (the fused arm only: a pinned ratio is fused whatever its share).
 
 Per arm and `seen`: the median matched share (the request's matched chunk tokens over its prompt
 tokens; the fallback arm's from the fused arm's same prompts), the median of the paired
@@ -87,8 +88,10 @@ def prompts(per_request: int, repeats: int, seen_counts: list[int] | None = None
         raise SystemExit(f"--seen: counts must lie in [0, {per_request}], got {counts}")
     fresh_needed = repeats * sum(per_request - seen for seen in counts)
     pool_size = 2 * per_request
-    # The corpus's first paragraphs are the same whatever its size: the warm-up's new ones come
-    # after those the measured prompts draw from, which stay as they were.
+    # The warm-up's new paragraphs come after those the measured prompts draw from, which stay
+    # as they were: the corpus's first paragraphs are the same for a larger size while its
+    # examples stay under 1,366 (`random.sample`, which `load_hotpotqa` draws with, changes
+    # method there; these sizes are about a tenth of that).
     corpus, _ = corpus_of(pool_size + fresh_needed + per_request)
     corpus, spare = corpus[: pool_size + fresh_needed], corpus[pool_size + fresh_needed :]
     # The pool drawn at random, not the corpus's first paragraphs: those are shorter than the
@@ -104,7 +107,9 @@ def prompts(per_request: int, repeats: int, seen_counts: list[int] | None = None
             docs = rng.sample(pool, seen) + [next(fresh) for _ in range(per_request - seen)]
             rng.shuffle(docs)
             measured.append((seen, docs))
-    shaped = random.Random(2027).sample(pool, per_request // 2) + spare[per_request // 2 :]
+    warm_rng = random.Random(2027)  # its own: the measured prompts' draws stay as they were
+    shaped = warm_rng.sample(pool, per_request // 2) + spare[per_request // 2 :]
+    warm_rng.shuffle(shaped)
     return Traffic(pool, shaped, measured)
 
 

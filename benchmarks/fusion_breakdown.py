@@ -3,10 +3,11 @@
 SmolLM2-135M-Instruct fp32 on CPU through transformers' modules (`HFCausalLMAdapter`), the
 prompts of `benchmarks/fusion_speed.py` (>= 6 shuffled HotpotQA paragraphs, >= 3K tokens, every
 paragraph a registered chunk; with `--new S` a share S of each prompt's paragraphs, drawn per
-prompt, is not registered: new text the prefill computes). A request runs what the server's scheduler runs for it: match the
-prompt against the chunk index and pin the chunks, the executor's prefill, write the K/V into a
-token pool at scattered slots (as into SGLang's pool). The executor's and the adapter's functions
-are wrapped with timers (nothing in them changes), each stage charged its exclusive time:
+prompt, is not registered: new text the prefill computes). A request runs what the server's
+scheduler runs for it: match the prompt against the chunk index and pin the chunks, the
+executor's prefill, write the K/V into a token pool at scattered slots (as into SGLang's pool).
+The executor's and the adapter's functions are wrapped with timers (nothing in them changes),
+each stage charged its exclusive time:
 
   match      chunk index lookup of the prompt (`ChunkIndex.find`)
   load       pinning, gathering and re-rotating stored chunk KV (`executor._load_reused`)
@@ -81,7 +82,8 @@ class Request:
     ) -> None:
         self.ids: list[int] = tokenizer.encode(prompt)
         self.registry = ChunkRegistry(2**31, adapter.rope_specs())
-        stored = random.Random(seed).sample(docs, len(docs) - round(new * len(docs)))
+        kept = len(docs) - round(new * len(docs))
+        stored = random.Random(seed).sample(docs, kept) if new else docs
         for doc in stored:
             tokens = tokenizer.encode(doc, add_special_tokens=False)
             self.registry.add(precompute_chunk(adapter, tokens))

@@ -87,10 +87,10 @@ def position_causal_attention(
     elif not told and bool(query_positions.min() >= key_positions.max()):
         # Every query sees every key (decode, or a last-token extend): no mask to build.
         return _attend_all(query, key, value, scale)
-    elif new_tokens_last and cpu_flash_with_lse is not None and q.device.type == "cpu":
+    elif new_tokens_last and _cpu_flash_fits(q, v):
         out = _prefix_extend_attention(q, k, v, prefix_len, scale)
     elif keys_from_zero and q.device.type == "cpu" and ascending(query_positions):
-        if cpu_flash_with_lse is not None:
+        if _cpu_flash_fits(q, v) and int(query_positions[-1]) < k.shape[2]:
             out = split_block_attention(q, k, v, query_positions, key_positions, scale)
         else:
             out = query_block_attention(q, k, v, query_positions, key_positions, scale, gqa)
@@ -259,6 +259,12 @@ def _is_arange(positions: torch.Tensor, start: int = 0) -> bool:
         and bool(positions[n - 1] == start + n - 1)
         and (n < 2 or bool(torch.all(positions[1:] - positions[:-1] == 1)))
     )
+
+
+def _cpu_flash_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's CPU flash kernel with log-sum-exp can take these: it exists, the tensors
+    are on the CPU, and values have the queries' head size (the kernel refuses others)."""
+    return cpu_flash_with_lse is not None and q.device.type == "cpu" and v.shape[-1] == q.shape[-1]
 
 
 def _prefix_extend_attention(

@@ -5,7 +5,8 @@ SDPA kernel cannot skip masked-out key blocks, so one call over every key comput
 query x key pair, while the blocks compute about the visible ones (a query at position p sees
 p + 1 keys).
 
-On the CPU no block is one masked call: every query of a block sees the keys before its first
+On the CPU (with torch's flash kernel that returns log-sum-exps, and every query's own key
+present) no block is one masked call: every query of a block sees the keys before its first
 query, so those run on the flash kernel without a mask (its fastest path), read once for a
 stretch of consecutive blocks, and only the keys between a block's first and last query take a
 mask; the parts are merged by their log-sum-exps. A GQA model's query heads of one key head
@@ -122,7 +123,8 @@ def split_block_attention(
     key_positions: torch.Tensor,
     scale: float | None,
 ) -> torch.Tensor:
-    """`query_block_attention`'s result on the CPU (needs `cpu_flash_with_lse`), with a mask
+    """`query_block_attention`'s result on the CPU (needs `cpu_flash_with_lse`, values of the
+    queries' head size and the last query's position below Lk), with a mask
     only near each block's own queries. Consecutive blocks form stretches of
     `STRETCH_BLOCKS`: a stretch's queries read the keys before its first query in one unmasked
     call (more rows per call, the kernel's more efficient shape), each block the keys from the
@@ -164,7 +166,8 @@ def split_block_attention(
             if before is not None:
                 mine = slice((start - stretch_start) * group, (end - stretch_start) * group)
                 part = part.merged(_Part(before.out[:, :, mine], before.lse[:, :, mine]))
-            # [1, Hkv, queries * group, Dv] -> [queries, Hkv, group, Dv], a view.
+            # [1, Hkv, queries * group, Dv] -> [queries, Hkv, group, Dv], a view; rounded to
+            # the query's dtype here, once.
             out = part.out.view(kv_heads, end - start, group, value_dim).transpose(0, 1)
             result[start:end] = out
     return result.view(count, heads, value_dim).transpose(0, 1).unsqueeze(0)
@@ -177,10 +180,10 @@ class _Part(NamedTuple):
     lse: torch.Tensor
 
     def merged(self, other: _Part) -> _Part:
-        """The rows' attention over both parts' keys (disjoint), merged in float32 as the
-        kernel accumulates: each part weighted by its share of the softmax mass."""
+        """The rows' attention over both parts' keys (disjoint), each part weighted by its share
+        of the softmax mass; in float32, as the kernel accumulates (the caller rounds once)."""
         weight = torch.sigmoid(other.lse.float() - self.lse.float()).unsqueeze(-1)
-        out = torch.lerp(self.out.float(), other.out.float(), weight).to(self.out.dtype)
+        out = torch.lerp(self.out.float(), other.out.float(), weight)
         return _Part(out, torch.logaddexp(self.lse.float(), other.lse.float()))
 
 

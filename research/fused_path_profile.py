@@ -1,12 +1,12 @@
 """Where a fused request's time goes on the server, next to the normal prefill's (issue 56).
 
 SmolLM2-135M-Instruct on the CPU server, the break-even benchmark's settings and prompts
-(`benchmarks/fusion_break_even.py`: `auto_chunks`, `fusion_by_default`,
-`fusion_min_matched_share` 0, and its warm-up: a pool of paragraphs asked once, a fused prompt
-for the model check, one of the measured shape), then `--prompts` prompts of `--per-request` paragraphs, `--seen` of them from the
-pool. Each prompt is sent fused and then with fusion off (one output token each), one at a
-time, while py-spy samples the scheduler's main thread (50 Hz, busy samples only) for exactly
-that request. Each sample is charged to the first stage its stack enters: the executor's scoring
+(`benchmarks/fusion_break_even.py`: `auto_chunks`, `fusion_by_default`, `fusion_min_matched_share`
+0, and its warm-up: a pool of paragraphs asked once, a fused prompt for the model check, one of the
+measured shape), then `--prompts` prompts of `--per-request` paragraphs, `--seen` of them from the
+pool. Each prompt is sent fused and then with fusion off (one output token each), one at a time,
+while py-spy samples the scheduler's main thread (50 Hz, busy samples only) for exactly that
+request. Each sample is charged to the first stage its stack enters: the executor's scoring
 pass, its loads of stored rows, its KV assembly, the rest of its layers; around it the fused
 batch's KV write, capture and logits; planning (matching, pinning); SGLang's own forward (the
 fusion-off request, and decodes); the scheduler's other work.

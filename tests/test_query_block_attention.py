@@ -103,6 +103,30 @@ def test_split_blocks_in_bfloat16() -> None:
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("case", ["value_head_size", "query_past_the_keys"])
+def test_split_path_leaves_what_its_kernel_cannot_take(case: str) -> None:
+    """Values of another head size than the queries' (the CPU flash kernel refuses them), or a
+    query past the last key (its own key absent): the masked blocks answer, exactly."""
+    torch.manual_seed(14)
+    num_keys, count = 700, 2 * scattered_attention.QUERY_BLOCK + 5
+    q_pos = _scattered(num_keys, count, 15)
+    value_dim = 16
+    if case == "query_past_the_keys":
+        q_pos[-1], num_keys = num_keys + 3, num_keys - 1
+        value_dim = 32
+    q, k, v = (
+        torch.randn(count, 8, 32),
+        torch.randn(num_keys, 2, 32),
+        torch.randn(num_keys, 2, value_dim),
+    )
+    k_pos = torch.arange(num_keys)
+    out = position_causal_attention(q, k, v, q_pos, k_pos, 0.2)
+    assert out.shape == (count, 8, value_dim)
+    torch.testing.assert_close(
+        out, reference_attention(q, k, v, q_pos, k_pos, 0.2), atol=1e-5, rtol=1e-5
+    )
+
+
 def test_first_query_at_position_zero_and_block_edges() -> None:
     """Position 0 sees one key; a block ending at the last key sees all of them."""
     torch.manual_seed(2)
