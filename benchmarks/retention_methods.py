@@ -10,6 +10,8 @@ options), each followed by modifiers joined with `+`:
   text between the chunks too) instead of the chunks and the question;
 - `wholequestion`: that pass reads all the text after the last chunk (the question when none is
   marked) instead of its last `SCORING_QUESTION_TOKENS`;
+- `share<S>`: that pass's read bounded to a share S of the token-layers the request's reuse
+  saves (default `SCORING_COST_SHARE`, 0.1);
 - `fullread`: that pass reads the question's last `SCORING_QUESTION_TOKENS` whatever the
   request's reuse saves (no `SCORING_COST_SHARE` bound);
 - `prefix`: chunks precomputed after the prompt's system prompt and chat header instead of
@@ -92,6 +94,11 @@ def parse_method(method: str) -> Method:
             options["question_tokens"] = None
         elif modifier == "fullread":
             options["cost_share"] = None
+        elif modifier.startswith("share"):
+            try:
+                options["cost_share"] = float(modifier[5:])
+            except ValueError:
+                raise SystemExit(f"modifier {modifier!r}: share<S> needs a number S") from None
         elif modifier == "prefix":
             prefix = True
         elif modifier == "traffic":
