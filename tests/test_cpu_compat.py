@@ -41,9 +41,11 @@ def test_host_pool_pinning_turned_off_unless_given() -> None:
 
 
 def test_a_prefills_first_token_is_processed_before_the_next_forward_on_cpu() -> None:
-    """The overlap loop asks whether to process the last batch before running the next one:
-    on CPU, yes after a prefill (its first token would otherwise wait a decode step), as
-    SGLang decides otherwise (decode after decode keeps the overlap)."""
+    """The overlap loop asks whether to process the last batch's result before running the
+    next batch: on CPU, yes when that result is a prefill's (its first token would otherwise
+    wait a decode step), as SGLang decides otherwise (decode after decode keeps the overlap).
+    The loop passes the running batch as `last_batch`, which the prefill joined and which is in
+    decode mode by then; the queued result holds the batch as it ran."""
     from collections import deque
     from types import SimpleNamespace
 
@@ -57,14 +59,19 @@ def test_a_prefills_first_token_is_processed_before_the_next_forward_on_cpu() ->
     def sglang_says(answer: bool) -> Callable[..., bool]:
         return lambda *_: answer
 
-    cpu = SimpleNamespace(device="cpu", result_queue=deque([object()]))
-    prefill, decode = batch(ForwardMode.EXTEND), batch(ForwardMode.DECODE)
-    assert _first_token_before_next_forward(sglang_says(False), cpu, decode, prefill)
-    assert _first_token_before_next_forward(sglang_says(False), cpu, None, prefill)
-    assert not _first_token_before_next_forward(sglang_says(False), cpu, decode, decode)
-    assert not _first_token_before_next_forward(sglang_says(False), cpu, prefill, None)
-    assert _first_token_before_next_forward(sglang_says(True), cpu, decode, decode)
-    nothing_queued = SimpleNamespace(device="cpu", result_queue=deque())
-    assert not _first_token_before_next_forward(sglang_says(False), nothing_queued, decode, prefill)
-    gpu = SimpleNamespace(device="cuda", result_queue=deque([object()]))
-    assert not _first_token_before_next_forward(sglang_says(False), gpu, decode, prefill)
+    def scheduler(device: str, *queued: ForwardMode) -> SimpleNamespace:
+        return SimpleNamespace(device=device, result_queue=deque((batch(m), None) for m in queued))
+
+    running = batch(ForwardMode.DECODE)  # the prefill's batch, turned to decode mode
+    after_prefill = scheduler("cpu", ForwardMode.EXTEND)
+    assert _first_token_before_next_forward(sglang_says(False), after_prefill, running, running)
+    assert _first_token_before_next_forward(sglang_says(False), after_prefill, None, running)
+    after_mixed = scheduler("cpu", ForwardMode.MIXED)  # chunked prefill beside decodes
+    assert _first_token_before_next_forward(sglang_says(False), after_mixed, running, running)
+    after_decode = scheduler("cpu", ForwardMode.DECODE)
+    assert not _first_token_before_next_forward(sglang_says(False), after_decode, running, running)
+    assert _first_token_before_next_forward(sglang_says(True), after_decode, running, running)
+    nothing_queued = scheduler("cpu")
+    assert not _first_token_before_next_forward(sglang_says(False), nothing_queued, running, None)
+    gpu = scheduler("cuda", ForwardMode.EXTEND)
+    assert not _first_token_before_next_forward(sglang_says(False), gpu, running, running)

@@ -94,15 +94,15 @@ def _first_token_before_next_forward(
     """AROUND hook on `Scheduler.is_disable_overlap_for_batch`: on CPU, process a prefill's
     result (its first token) before the next forward instead of after it. Overlap gains nothing
     there (the forward blocks the scheduler's thread), and the first token would wait one decode
-    step (~0.1 s for SmolLM2-135M on 2 cores). Decode steps keep SGLang's order."""
+    step (~0.1 s for SmolLM2-135M on 2 cores). Decode steps keep SGLang's order.
+
+    Whether the last batch was a prefill is read from the result waiting in the queue (a copy
+    of the batch as it ran): the object passed as `last_batch` is by then the running batch,
+    which the prefill joined and which SGLang has already turned to decode mode."""
     if original(scheduler, batch, last_batch):
         return True
-    return (
-        scheduler.device == "cpu"
-        and last_batch is not None
-        and last_batch.forward_mode.is_extend()
-        and len(scheduler.result_queue) > 0
-    )
+    queued = scheduler.result_queue
+    return scheduler.device == "cpu" and len(queued) > 0 and queued[0][0].forward_mode.is_extend()
 
 
 def install(register_hook: Callable[[str, Callable[..., Any], Any], None]) -> list[str]:
