@@ -6,14 +6,18 @@ query x key pair, while the blocks compute about the visible ones (a query at po
 p + 1 keys).
 
 On the CPU (with torch's flash kernel that returns log-sum-exps, and every query's own key
-present) no block is one masked call: every query of a block sees the keys before its first
-query, so those run on the flash kernel without a mask (its fastest path), read once for a
-stretch of consecutive blocks, and only the keys between a block's first and last query take a
-mask; the parts are merged by their log-sum-exps. A GQA model's query heads of one key head
-are folded into the rows, so the keys and values are never copied per query head. The tail
-masks are built once per (query positions, key positions) pair and kept for the next call: the
-fused prefill attends the same positions at every layer after the selection.
-(docs/auto-chunks.md, "When fusion does not pay", measures it against the masked blocks.)
+present) no block is one masked call over all its keys: a block is the queries of one window
+of `CPU_WINDOW` positions, consecutive blocks form a stretch, and the keys before a stretch's
+first query, visible to all of it, run on the flash kernel without a mask (its fastest path) in
+one call for the whole stretch; each block then reads the keys from there to its last query
+under a mask, and the two parts are merged by their log-sum-exps. Blocks cut by position,
+not by query count, keep the masked keys near the queries however sparse the selection (a
+block of 128 sparse queries spanned several hundred positions). A GQA model's query heads of
+one key head are folded into the rows, so the keys and values are never copied per query
+head. The plan and its masks are built once per (query positions, key positions) pair and kept
+for the next call: the fused prefill attends the same positions at every layer after the
+selection. (docs/auto-chunks.md, "When fusion does not pay", measures it against the masked
+blocks.)
 
 On a GPU the blocks are fewer and larger (a call must fill the chip), their bounds come from a
 host copy of the positions and the mask is found by the positions tensors' identity: reading
@@ -124,13 +128,11 @@ def split_block_attention(
     scale: float | None,
 ) -> torch.Tensor:
     """`query_block_attention`'s result on the CPU (needs `cpu_flash_with_lse`, values of the
-    queries' head size and the last query's position below Lk), with a mask
-    only near each block's own queries. Consecutive blocks form stretches of
-    `STRETCH_BLOCKS`: a stretch's queries read the keys before its first query in one unmasked
-    call (more rows per call, the kernel's more efficient shape), each block the keys from the
-    stretch's first query to its own unmasked and those between its first and its last query
-    under a mask; the parts are merged by their log-sum-exps. Same shapes: `q`
-    [1, Hq, Lq, D] at ascending `query_positions`, `k`/`v` [1, Hkv, Lk, D] at 0..Lk-1."""
+    queries' head size and the last query's position below Lk), with a mask only over the keys
+    of each stretch of blocks (`_split_plan`): a stretch's queries read the keys before its
+    first query in one unmasked call, each block the keys from there to its last query under a
+    mask; the two parts are merged by their log-sum-exps. Same shapes: `q` [1, Hq, Lq, D] at
+    ascending `query_positions`, `k`/`v` [1, Hkv, Lk, D] at 0..Lk-1."""
     assert cpu_flash_with_lse is not None
     _, heads, count, _ = q.shape
     kv_heads = k.shape[1]
@@ -155,14 +157,13 @@ def split_block_attention(
     # and no unfolding copy afterwards.
     result = q.new_empty((count, kv_heads, group, value_dim))
     for stretch in plan:
-        stretch_start, stretch_first = stretch[0][0], stretch[0][2]
+        stretch_start, stretch_first = stretch[0].start, stretch[0].first
         before = None
         if stretch_first > 0:
-            before = attend(slice(stretch_start, stretch[-1][1]), slice(stretch_first))
-        for start, end, first, last, tail_mask in stretch:
-            part = attend(slice(start, end), slice(first, last + 1), tail_mask)
-            if first > stretch_first:
-                part = part.merged(attend(slice(start, end), slice(stretch_first, first)))
+            before = attend(slice(stretch_start, stretch[-1].end), slice(stretch_first))
+        for block in stretch:
+            start, end = block.start, block.end
+            part = attend(slice(start, end), slice(stretch_first, block.last + 1), block.mask)
             if before is not None:
                 mine = slice((start - stretch_start) * group, (end - stretch_start) * group)
                 part = part.merged(_Part(before.out[:, :, mine], before.lse[:, :, mine]))
@@ -187,26 +188,58 @@ class _Part(NamedTuple):
         return _Part(out, torch.logaddexp(self.lse.float(), other.lse.float()))
 
 
-# Consecutive CPU blocks whose queries read the keys before the first of them in one call:
-# four were a little faster in process than each block reading them alone, on half-new
-# prompts (docs/auto-chunks.md, "When fusion does not pay").
-STRETCH_BLOCKS = 4
+# A CPU block is the queries of one window of this many positions: the keys its mask covers
+# past its stretch's first query lie within a few windows of its queries, however sparse.
+CPU_WINDOW = 256
+# A stretch (blocks whose queries read the keys before the first of them in one call) closes
+# once it holds this many queries (a call of that many rows is the kernel's efficient shape),
+# or before a block would take its masks past this many positions (bounding their memory).
+STRETCH_QUERIES = 256
+STRETCH_SPAN = 4 * CPU_WINDOW
+# 256-position windows in stretches of 256 queries: about 6 % less attention time than blocks
+# of 128 queries in stretches of four blocks, on the positions of four half-new prompts'
+# fused prefills (docs/cpu-attention.md).
 
-# (first query, end query, first position, last position, tail mask) of a CPU block.
-_Block = tuple[int, int, int, int, torch.Tensor]
+
+class _Block(NamedTuple):
+    """Queries start..end-1 of a CPU stretch whose first query sits at `first`; `mask` is the
+    additive [rows, last - first + 1] causal mask of the block's folded rows (each query's row
+    `group` times) over the keys from `first` to the block's last query `last`."""
+
+    start: int
+    end: int
+    first: int
+    last: int
+    mask: torch.Tensor
 
 
 def _split_plan(positions: torch.Tensor, dtype: torch.dtype, group: int) -> list[list[_Block]]:
-    """The CPU blocks in stretches of `STRETCH_BLOCKS`; a block's tail mask
-    [rows, last - first + 1] is additive, each query's row repeated `group` times (the folded
-    heads)."""
-    blocks = []
-    for start, end, visible in block_bounds(positions, gpu=False):
-        first = int(positions[start])
-        tail = torch.arange(first, visible, device=positions.device)
-        mask = _causal_mask(positions[start:end], tail, dtype)
-        blocks.append((start, end, first, visible - 1, mask.repeat_interleave(group, dim=0)))
-    return [blocks[i : i + STRETCH_BLOCKS] for i in range(0, len(blocks), STRETCH_BLOCKS)]
+    """The CPU blocks of ascending `positions` (one per window of `CPU_WINDOW` positions that
+    holds queries), in stretches."""
+    host = positions.tolist()
+    stretches: list[list[_Block]] = []
+    stretch: list[_Block] = []
+    start = 0
+    while start < len(host):
+        window = host[start] // CPU_WINDOW
+        end = start + 1
+        while end < len(host) and host[end] // CPU_WINDOW == window:
+            end += 1
+        last = host[end - 1]
+        if stretch and (
+            stretch[-1].end - stretch[0].start >= STRETCH_QUERIES
+            or last - stretch[0].first >= STRETCH_SPAN
+        ):
+            stretches.append(stretch)
+            stretch = []
+        first = stretch[0].first if stretch else host[start]
+        keys = torch.arange(first, last + 1, device=positions.device)
+        mask = _causal_mask(positions[start:end], keys, dtype).repeat_interleave(group, dim=0)
+        stretch.append(_Block(start, end, first, last, mask))
+        start = end
+    if stretch:
+        stretches.append(stretch)
+    return stretches
 
 
 def block_bounds(

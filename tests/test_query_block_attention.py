@@ -65,8 +65,7 @@ def test_blocks_equal_reference_and_one_masked_call(
     monkeypatch.setattr(attention, name, lambda *a: calls.append(1) or blocked(*a))
     torch.manual_seed(0)
     # Several stretches of blocks (the CPU's split path), the last one short, as is its last block.
-    blocks = scattered_attention.STRETCH_BLOCKS + 2
-    num_keys, count = 1500, blocks * scattered_attention.QUERY_BLOCK + 17
+    num_keys, count = 1500, 3 * scattered_attention.STRETCH_QUERIES + 17
     q_pos = _scattered(num_keys, count, seed=1, late=late)
     hq, hkv = heads
     q, k, v = (
@@ -84,6 +83,35 @@ def test_blocks_equal_reference_and_one_masked_call(
         out, _one_masked_call(q, k, v, q_pos, k_pos, scale), atol=1e-6, rtol=1e-6
     )
     assert calls, f"ascending scattered queries take the {path} block path"
+
+
+@pytest.mark.parametrize("density", [1.0, 0.5, 0.05])
+def test_split_plan_cuts_windows_and_bounds_stretches(density: float) -> None:
+    """Each CPU block holds the queries of one window of positions, in order and all of them;
+    a stretch closes at its query count or before its masks would span more positions than
+    allowed; each mask is the causal mask of the block's folded rows over the keys from its
+    stretch's first query to its own last."""
+    window, group = scattered_attention.CPU_WINDOW, 3
+    num_keys = 6 * window + 31
+    q_pos = _scattered(num_keys, max(1, int(density * num_keys)), 21)
+    plan = scattered_attention._split_plan(q_pos, torch.float32, group)
+    blocks = [block for stretch in plan for block in stretch]
+    assert [b.start for b in blocks[1:]] == [b.end for b in blocks[:-1]]
+    assert blocks[0].start == 0 and blocks[-1].end == len(q_pos)
+    for stretch in plan:
+        first = int(q_pos[stretch[0].start])
+        queries = stretch[-1].end - stretch[0].start
+        if len(stretch) > 1:
+            assert stretch[-2].end - stretch[0].start < scattered_attention.STRETCH_QUERIES
+            assert stretch[-1].last - first < scattered_attention.STRETCH_SPAN
+        assert queries <= scattered_attention.STRETCH_QUERIES + window
+        for block in stretch:
+            held = q_pos[block.start : block.end]
+            assert len({int(p) // window for p in held}) == 1
+            assert block.first == first and block.last == int(held[-1])
+            keys = torch.arange(first, block.last + 1)
+            visible = (keys.unsqueeze(0) <= held.unsqueeze(1)).repeat_interleave(group, dim=0)
+            assert torch.equal(block.mask == 0, visible)
 
 
 def test_split_blocks_in_bfloat16() -> None:
