@@ -9,10 +9,14 @@ paragraphs, drawn at random from the corpus as the new ones are, is asked once f
 `auto_chunks` keeps them, then two of them in one fused prompt: the server's first fused batch
 pays the model check (a normal prefill and a fused one at ratio 1 beside it), once per server,
 reported as the arm's `first_fused_ttft_s` and kept out of the measured prompts; then one prompt
-of the measured shape (`--per-request` paragraphs, half of them from the pool, the rest from
-paragraphs no measured prompt holds): the first long prompts of a process pay for its heap
-growing to their size (tens of thousands of page faults), also once per server, reported as
-`shaped_warm_up_ttft_s`. Then each prompt holds `--per-request` paragraphs, `seen` of them from
+of the measured shape but longer than any measured one (half again as many paragraphs, half of
+them from the pool, the rest from paragraphs no measured prompt holds), fused and then with
+fusion off: the first long prompts of a process pay for its heap growing to their size (tens of
+thousands of page faults), once per server and path, and a measured prompt longer than any
+before it paid that growth for whichever of its pair went first (at ratio 1, where the fused
+and normal prefills compute the same, the first of a pair to a new length took 5-12 % longer).
+Reported as `shaped_warm_up_ttft_s`, `shaped_warm_up_off_ttft_s` and its prompt tokens against
+the longest measured prompt's. Then each prompt holds `--per-request` paragraphs, `seen` of them from
 the pool and the rest never seen before (kept by this prompt, reused by none), for every `seen`
 from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
 server's default ratio, not shadow-checked) and then with `{"fusion": false}` behind a system
@@ -64,8 +68,8 @@ QUESTION = "Which of these documents names a person first?"
 
 
 class Traffic(NamedTuple):
-    """The pool asked first, the warm-up's prompt of the measured shape, and (seen, paragraphs)
-    of every measured prompt, in order."""
+    """The pool asked first, the warm-up's prompt of the measured shape (longer than every
+    measured prompt), and (seen, paragraphs) of every measured prompt, in order."""
 
     pool: list[str]
     shaped_warm_up: list[str]
@@ -74,10 +78,12 @@ class Traffic(NamedTuple):
 
 class WarmUp(NamedTuple):
     """TTFTs of the warm-up's fused prompts: the first (the model check's) and the one of the
-    measured shape."""
+    measured shape; that one's TTFT with fusion off, and its prompt tokens."""
 
     model_check_ttft_s: float
     shaped_ttft_s: float
+    shaped_off_ttft_s: float
+    shaped_prompt_tokens: int
 
 
 def prompts(per_request: int, repeats: int, seen_counts: list[int] | None = None) -> Traffic:
@@ -108,17 +114,19 @@ def prompts(per_request: int, repeats: int, seen_counts: list[int] | None = None
             rng.shuffle(docs)
             measured.append((seen, docs))
     warm_rng = random.Random(2027)  # its own: the measured prompts' draws stay as they were
-    shaped = warm_rng.sample(pool, per_request // 2) + spare[per_request // 2 :]
+    # Half again as many paragraphs as a measured prompt: longer than each of them.
+    longest = per_request + (per_request + 1) // 2
+    shaped = warm_rng.sample(pool, longest // 2) + spare[per_request - (longest - longest // 2) :]
     warm_rng.shuffle(shaped)
     return Traffic(pool, shaped, measured)
 
 
 def warm_up(client: Any, url: str, traffic: Traffic) -> WarmUp:
     """Each pool paragraph asked once (`auto_chunks` keeps them, stored before this returns),
-    then two of them fused, then the prompt of the measured shape. The first fused batch is
-    served after the model check (a normal prefill and a fused one at ratio 1 beside it), the
-    first long prompts pay for the heap's growth: once-per-server costs, paid here and
-    reported, not by a measured prompt."""
+    then two of them fused, then the prompt of the measured shape, fused and with fusion off.
+    The first fused batch is served after the model check (a normal prefill and a fused one at
+    ratio 1 beside it), the first long prompts of each path pay for the heap's growth:
+    once-per-server costs, paid here and reported, not by a measured prompt."""
     pool = traffic.pool
     for start in range(0, len(pool), 4):
         ask(client, "default", pool[start : start + 4], QUESTION, system="Warm-up. " + SYSTEM)
@@ -129,7 +137,16 @@ def warm_up(client: Any, url: str, traffic: Traffic) -> WarmUp:
         client, "default", traffic.shaped_warm_up, QUESTION, system="Warm-up, shaped. " + SYSTEM
     )
     fusion_counters(url)
-    return WarmUp(first.ttft_s, shaped.ttft_s)
+    off = ask(
+        client,
+        "default",
+        traffic.shaped_warm_up,
+        QUESTION,
+        system="Warm-up, shaped, off. " + SYSTEM,
+        fusion=False,
+    )
+    fusion_counters(url)
+    return WarmUp(first.ttft_s, shaped.ttft_s, off.ttft_s, shaped.prompt_tokens)
 
 
 def half_new_parser(description: str, prompts: int, out: Path) -> argparse.ArgumentParser:
@@ -328,8 +345,18 @@ def main() -> int:
                 "ratio": args.ratio,
                 "first_fused_ttft_s": warmed.model_check_ttft_s,
                 "shaped_warm_up_ttft_s": warmed.shaped_ttft_s,
+                "shaped_warm_up_off_ttft_s": warmed.shaped_off_ttft_s,
+                "shaped_warm_up_prompt_tokens": warmed.shaped_prompt_tokens,
                 **run(server.url, client, traffic.measured, args.ratio),
             }
+            rows = report["arms"][arm]["rows"]
+            longest = max(row["prompt_tokens"] for row in rows)
+            report["arms"][arm]["longest_measured_prompt_tokens"] = longest
+            if warmed.shaped_prompt_tokens < longest:
+                print(
+                    f"warning: the warm-up's long prompt ({warmed.shaped_prompt_tokens} tokens) "
+                    f"is shorter than the longest measured one ({longest})"
+                )
     report["summary"] = summarise({arm: r["rows"] for arm, r in report["arms"].items()})
     brief: dict[str, Any] = {"break_even": report["summary"].get("break_even_matched_share")}
     for arm in report["arms"]:
