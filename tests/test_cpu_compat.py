@@ -54,13 +54,17 @@ def test_a_prefills_first_token_is_processed_before_the_next_forward_on_cpu() ->
     from sglang_hicache_ext.sglang_ext.cpu.compat import _first_token_before_next_forward
 
     def batch(mode: ForwardMode) -> SimpleNamespace:
-        return SimpleNamespace(forward_mode=mode)
+        return SimpleNamespace(forward_mode=mode, is_extend_in_batch=mode.is_extend())
 
     def sglang_says(answer: bool) -> Callable[..., bool]:
         return lambda *_: answer
 
-    def scheduler(device: str, *queued: ForwardMode) -> SimpleNamespace:
-        return SimpleNamespace(device=device, result_queue=deque((batch(m), None) for m in queued))
+    def scheduler(device: str, *queued: ForwardMode, synced: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(
+            device=device,
+            result_queue=deque((batch(m), None) for m in queued),
+            require_mlp_sync=synced,
+        )
 
     running = batch(ForwardMode.DECODE)  # the prefill's batch, turned to decode mode
     after_prefill = scheduler("cpu", ForwardMode.EXTEND)
@@ -75,3 +79,7 @@ def test_a_prefills_first_token_is_processed_before_the_next_forward_on_cpu() ->
     assert not _first_token_before_next_forward(sglang_says(False), nothing_queued, running, None)
     gpu = scheduler("cuda", ForwardMode.EXTEND)
     assert not _first_token_before_next_forward(sglang_says(False), gpu, running, running)
+    # Data-parallel attention: the flag every rank shares (this rank may have run an idle batch).
+    idle_here = scheduler("cpu", ForwardMode.IDLE, synced=True)
+    idle_here.result_queue[0][0].is_extend_in_batch = True
+    assert _first_token_before_next_forward(sglang_says(False), idle_here, running, running)

@@ -3,8 +3,8 @@
 The fused prefill's queries sit at scattered, ascending positions; `position_causal_attention`
 splits them into blocks and gives each block the keys up to its last query's position, with
 what the blocks need (the GPU's mask, the CPU's split plan) built once per pair of position
-tensors. On the CPU each block is split at its first query (no mask before it, merged by
-log-sum-exp), GQA heads folded into the rows. These tests pin that this changes nothing but the
+tensors. On the CPU a block is the queries of one window of positions, and the keys before its
+stretch of blocks go without a mask (merged by log-sum-exp), GQA heads folded into the rows. These tests pin that this changes nothing but the
 work: the output equals a float64 dense softmax and the one-call masked SDPA it replaces, across
 block edges, with MHA and GQA, on the split path and on the masked blocks it falls back to, and
 a kept plan is never used for other positions; and that what the executor tells attention of
@@ -14,6 +14,7 @@ the layout (on a GPU, instead of reading positions back) is what the positions s
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 
 import pytest
@@ -98,13 +99,20 @@ def test_split_plan_cuts_windows_and_bounds_stretches(density: float) -> None:
     blocks = [block for stretch in plan for block in stretch]
     assert [b.start for b in blocks[1:]] == [b.end for b in blocks[:-1]]
     assert blocks[0].start == 0 and blocks[-1].end == len(q_pos)
+    windows = [b.last // window for b in blocks]
+    assert windows == sorted(set(windows)), "one block per window that holds queries"
+    queries, span = scattered_attention.STRETCH_QUERIES, scattered_attention.STRETCH_SPAN
+    for stretch, following in itertools.pairwise(plan):
+        # A stretch closes only when full, or when the next block would span too far.
+        assert (
+            stretch[-1].end - stretch[0].start >= queries
+            or following[0].last - stretch[0].first >= span
+        )
     for stretch in plan:
         first = int(q_pos[stretch[0].start])
-        queries = stretch[-1].end - stretch[0].start
         if len(stretch) > 1:
-            assert stretch[-2].end - stretch[0].start < scattered_attention.STRETCH_QUERIES
-            assert stretch[-1].last - first < scattered_attention.STRETCH_SPAN
-        assert queries <= scattered_attention.STRETCH_QUERIES + window
+            assert stretch[-2].end - stretch[0].start < queries
+            assert stretch[-1].last - first < span
         for block in stretch:
             held = q_pos[block.start : block.end]
             assert len({int(p) // window for p in held}) == 1

@@ -97,12 +97,19 @@ def _first_token_before_next_forward(
     step (~0.1 s for SmolLM2-135M on 2 cores). Decode steps keep SGLang's order.
 
     Whether the last batch was a prefill is read from the result waiting in the queue (a copy
-    of the batch as it ran): the object passed as `last_batch` is by then the running batch,
-    which the prefill joined and which SGLang has already turned to decode mode."""
+    of the batch as it ran): when a prefill finds no running batch, SGLang makes the prefill's
+    batch object the running batch and turns it to decode mode before this question, so the
+    object passed as `last_batch` no longer says it was a prefill. Under data-parallel
+    attention the ranks decide on the flag they share, as SGLang's own check does."""
     if original(scheduler, batch, last_batch):
         return True
     queued = scheduler.result_queue
-    return scheduler.device == "cpu" and len(queued) > 0 and queued[0][0].forward_mode.is_extend()
+    if scheduler.device != "cpu" or len(queued) == 0:
+        return False
+    ran = queued[0][0]
+    if getattr(scheduler, "require_mlp_sync", False):
+        return bool(ran.is_extend_in_batch)
+    return bool(ran.forward_mode.is_extend())
 
 
 def install(register_hook: Callable[[str, Callable[..., Any], Any], None]) -> list[str]:
