@@ -50,6 +50,27 @@ def _wait_written(url: str, pages: int, timeout_s: float = 20.0) -> dict:
     raise AssertionError(f"fewer than {pages} pages reached the disk tier: {status['disk']}")
 
 
+def _groups(status: dict) -> set[str]:
+    return {page["group"] for page in status["pages"]}
+
+
+def _wait_for_groups(url: str, subtrees: int, timeout_s: float = 20.0) -> dict:
+    """The storage status once the disk holds pages of the shared prefix and of `subtrees`
+    subtree groups, or at the timeout (the caller's asserts say what is missing): HiCache
+    writes pages through asynchronously, so one document's pages may land after the next
+    request has returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = _status(url, pages=10_000)
+        groups = _groups(status)
+        subtree_groups = sum(g.startswith("subtree:") for g in groups)
+        if "shared-prefix" in groups and subtree_groups >= subtrees:
+            return status
+        if time.monotonic() >= deadline:
+            return status
+        time.sleep(0.2)
+
+
 def _wait_settled(url: str, quiet_s: float = 2.0, timeout_s: float = 30.0) -> None:
     """Until the disk tier has taken no page for `quiet_s`: HiCache writes pages through
     asynchronously, so an earlier test's last pages may still be on their way."""
@@ -80,8 +101,8 @@ def test_pages_carry_their_subtree_group(disk_server: ServerConfig) -> None:
     # The next accesses put the stored pages into their planned groups.
     for topic in ("lighthouses", "glaciers"):
         generate(url, _prompt(topic), max_new_tokens=1)
-    status = _wait_written(url, pages=1)
-    groups = {page["group"] for page in status["pages"]}
+    status = _wait_for_groups(url, subtrees=2)
+    groups = _groups(status)
     assert "shared-prefix" in groups, groups
     assert sum(g.startswith("subtree:") for g in groups) == 2, groups
     assert status["ttl"]["page_accesses"]["shared-prefix"] > 0
