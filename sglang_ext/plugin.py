@@ -60,6 +60,18 @@ def register() -> None:
         fused_prefill.remember_request,
         HookType.AFTER,
     )
+    # auto_chunks: a prompt's pieces are captured once its first token is sent, and before KV
+    # is allocated again (`AutoCapture.defer`).
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+        fused_prefill.captures_after_results,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        fused_prefill.run_deferred_captures,
+        HookType.BEFORE,
+    )
     HookRegistry.register(
         "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
         fused_prefill.keep_batches_homogeneous,

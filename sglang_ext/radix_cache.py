@@ -122,7 +122,8 @@ def cache_class() -> type:
                     return
                 tokens = req.origin_input_ids
                 slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(tokens)]
-                fusion.auto_capture.capture(
+                # Once the batch's first tokens are sent (`AutoCapture.defer`).
+                fusion.auto_capture.defer(
                     req.rid, tokens, self.token_to_kv_pool_allocator.get_kvcache(), slots
                 )
 

@@ -279,3 +279,29 @@ def test_host_memorys_decisions_are_exported_as_they_grow(admission: str | None)
     }
     assert exported == {decision: getattr(host, decision) for decision in HOST_DECISIONS}
     assert sum(exported.values()) > 0
+
+
+def test_a_deferred_capture_takes_the_rows_at_the_slots_it_was_given() -> None:
+    """`defer` captures nothing until `run_deferred` (the scheduler runs it once the batch's
+    first tokens are sent); then it keeps what `capture` keeps, from the slots as they were at
+    `defer` (the request's slot table may be handed on meanwhile)."""
+    pool, capture = _Pool(400, seed=1), _capture(background=False)
+    docs = _docs(2, seed=4)
+    tokens = _prompt(docs)
+    slots = torch.randperm(400, generator=torch.Generator().manual_seed(7))[: len(tokens)]
+    pool.place(slots)
+    table = slots.clone()
+    capture.defer("a", tokens, pool, table)
+    table.fill_(0)  # the request's row of the slot table, reused
+    assert capture.stats()["captured"] == 0
+    assert all(capture.registry.store.peek(chunk_hash(doc)) is None for doc in docs)
+    capture.run_deferred()
+    capture.settle(wait=True)
+    assert capture.stats()["captured"] == 2
+    for number, doc in enumerate(docs):
+        chunk = capture.registry.store.peek(chunk_hash(doc))
+        assert chunk is not None
+        rows = slots[number * (len(doc) + 1) :][: len(doc)]
+        assert torch.equal(chunk.values[0], pool.values[0][rows])
+    capture.run_deferred()  # nothing left: no second capture
+    assert capture.stats()["captured"] == 2

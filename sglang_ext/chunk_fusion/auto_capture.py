@@ -24,7 +24,8 @@ before its rows are copied out, so a piece that would be refused costs nothing b
 ("refused"); it is asked again when the piece is stored, where the answer counts.
 
 What the scheduler thread pays: cutting the prompt, matching it, and one copy of the kept
-pieces' rows out of the pool (they are the pool's only until then). Rotating the keys back,
+pieces' rows out of the pool (they are the pool's only until then), after the batch's first
+tokens are sent and before KV is allocated again (`defer`). Rotating the keys back,
 scoring and copying each piece out run in the background, one prompt's pieces at a time, each
 on a thread that ends with them (`tiers/short_lived_worker.py` says why), so the request that brought the
 documents answers without waiting for them; on CPU the next forward waits for what is left of
@@ -128,6 +129,9 @@ class AutoCapture:
         # The pieces in `_jobs`, indexed as the registry indexes chunks: a later prompt that
         # would match one waits for it.
         self._pending = ChunkIndex()
+        # Captures asked for while a batch's results are processed, run once its first tokens
+        # are sent (`defer`).
+        self._deferred: list[tuple[str, list[int], Any, torch.Tensor, bool]] = []
 
     @classmethod
     def for_settings(
@@ -164,6 +168,27 @@ class AutoCapture:
             metrics=metrics,
             admission=admission,
         )
+
+    def defer(
+        self,
+        rid: str,
+        tokens: Sequence[int],
+        kv_pool: Any,
+        slots: torch.Tensor,
+        fused: bool = False,
+    ) -> None:
+        """`capture`, once `run_deferred` is called: the scheduler calls it after the batch's
+        results, first tokens included, are sent, and before it allocates KV again, so the rows
+        at `slots` are still the prompt's then (a finished request's slots are freed, not
+        reused, until the next allocation). The request's first token does not wait for the
+        cutting, matching and copying out."""
+        self._deferred.append((rid, list(tokens), kv_pool, slots.clone(), fused))
+
+    def run_deferred(self) -> None:
+        """The captures `defer` was asked for, in order (scheduler thread)."""
+        while self._deferred:
+            rid, tokens, kv_pool, slots, fused = self._deferred.pop(0)
+            self.capture(rid, tokens, kv_pool, slots, fused=fused)
 
     def capture(
         self,

@@ -251,7 +251,8 @@ def _capture_pieces(
     tokens = plan.request.origin_input_ids
     row = forward_batch.req_pool_indices[index]
     slots = runner.req_to_token_pool.req_to_token[row, : len(tokens)]
-    rt.auto_capture.capture(plan.rid, tokens, runner.token_to_kv_pool, slots, fused=True)
+    # Once the batch's first tokens are sent (`AutoCapture.defer`).
+    rt.auto_capture.defer(plan.rid, tokens, runner.token_to_kv_pool, slots, fused=True)
 
 
 def _write(kv_pool: Any, adapter: SGLangDecoderAdapter, loc: torch.Tensor, rows: RoundRows) -> None:

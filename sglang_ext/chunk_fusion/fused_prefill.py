@@ -79,6 +79,21 @@ def remember_request(
     return req
 
 
+def captures_after_results(result: Any, scheduler: SchedulerLike, *args: Any, **kwargs: Any) -> Any:
+    """AFTER hook on Scheduler.process_batch_result: the pieces the batch's prompts brought are
+    captured once their first tokens are sent (`AutoCapture.defer`)."""
+    run_deferred_captures(scheduler)
+    return result
+
+
+def run_deferred_captures(scheduler: SchedulerLike, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on Scheduler.get_next_batch_to_run as well: no capture is left pending when
+    KV is allocated again (the rows it copies may be freed, not yet reused)."""
+    service = service_of(scheduler.tree_cache)
+    if service is not None and service.auto_capture is not None:
+        service.auto_capture.run_deferred()
+
+
 def shadow_checks_last(
     result: Any, policy: Any, waiting_queue: Any, *args: Any, **kwargs: Any
 ) -> Any:
