@@ -14,6 +14,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_hicache_ext.fusion.scattered_attention import (
+    AttentionPart,
     ascending,
     block_bounds,
     cpu_flash_with_lse,
@@ -289,9 +290,8 @@ def _prefix_extend_attention(
         out_prefix, lse_prefix = cpu_flash_with_lse(
             q, k[:, :, :prefix_len], v[:, :, :prefix_len], scale=scale
         )
-    out_new, lse_new = cpu_flash_with_lse(q, new_k, new_v, is_causal=True, scale=scale)
-    weight_prefix = torch.sigmoid(lse_prefix.float() - lse_new.float()).unsqueeze(-1)
-    return torch.lerp(out_new.float(), out_prefix.float(), weight_prefix).to(q.dtype)
+    new = AttentionPart(*cpu_flash_with_lse(q, new_k, new_v, is_causal=True, scale=scale))
+    return new.merged(AttentionPart(out_prefix, lse_prefix)).out.to(q.dtype)
 
 
 @functools.cache

@@ -145,12 +145,12 @@ def split_block_attention(
         lambda: _split_plan(query_positions, q.dtype, group),
     )
 
-    def attend(queries: slice, keys: slice, mask: torch.Tensor | None = None) -> _Part:
+    def attend(queries: slice, keys: slice, mask: torch.Tensor | None = None) -> AttentionPart:
         rows_of = slice(queries.start * group, queries.stop * group)
         out, lse = cpu_flash_with_lse(
             rows[:, :, rows_of], k[:, :, keys], v[:, :, keys], attn_mask=mask, scale=scale
         )
-        return _Part(out, lse)
+        return AttentionPart(out, lse)
 
     value_dim = v.shape[-1]
     # Written block by block in the layout the caller reads ([L, Hq, Dv] rows): no concatenation
@@ -166,7 +166,7 @@ def split_block_attention(
             part = attend(slice(start, end), slice(stretch_first, block.last + 1), block.mask)
             if before is not None:
                 mine = slice((start - stretch_start) * group, (end - stretch_start) * group)
-                part = part.merged(_Part(before.out[:, :, mine], before.lse[:, :, mine]))
+                part = part.merged(AttentionPart(before.out[:, :, mine], before.lse[:, :, mine]))
             # [1, Hkv, queries * group, Dv] -> [queries, Hkv, group, Dv], a view; rounded to
             # the query's dtype here, once.
             out = part.out.view(kv_heads, end - start, group, value_dim).transpose(0, 1)
@@ -174,18 +174,19 @@ def split_block_attention(
     return result.view(count, heads, value_dim).transpose(0, 1).unsqueeze(0)
 
 
-class _Part(NamedTuple):
-    """Attention of some rows over some of the keys, with the log-sum-exp of their logits."""
+class AttentionPart(NamedTuple):
+    """Attention of some rows over some of the keys, with the log-sum-exp of their logits (what
+    torch's CPU flash kernel returns); two parts over disjoint keys merge exactly."""
 
     out: torch.Tensor
     lse: torch.Tensor
 
-    def merged(self, other: _Part) -> _Part:
+    def merged(self, other: AttentionPart) -> AttentionPart:
         """The rows' attention over both parts' keys (disjoint), each part weighted by its share
         of the softmax mass; in float32, as the kernel accumulates (the caller rounds once)."""
         weight = torch.sigmoid(other.lse.float() - self.lse.float()).unsqueeze(-1)
         out = torch.lerp(self.out.float(), other.out.float(), weight)
-        return _Part(out, torch.logaddexp(self.lse.float(), other.lse.float()))
+        return AttentionPart(out, torch.logaddexp(self.lse.float(), other.lse.float()))
 
 
 # A CPU block is the queries of one window of this many positions: the keys its mask covers

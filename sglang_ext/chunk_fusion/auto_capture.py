@@ -42,8 +42,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import cachetools
@@ -131,7 +132,7 @@ class AutoCapture:
         self._pending = ChunkIndex()
         # Captures asked for while a batch's results are processed, run once its first tokens
         # are sent (`defer`).
-        self._deferred: list[tuple[str, list[int], Any, torch.Tensor, bool]] = []
+        self._deferred: deque[Callable[[], int]] = deque()
 
     @classmethod
     def for_settings(
@@ -182,13 +183,15 @@ class AutoCapture:
         at `slots` are still the prompt's then (a finished request's slots are freed, not
         reused, until the next allocation). The request's first token does not wait for the
         cutting, matching and copying out."""
-        self._deferred.append((rid, list(tokens), kv_pool, slots.clone(), fused))
+        # The slot table's row may be handed to another request before this runs: a copy.
+        self._deferred.append(
+            partial(self.capture, rid, list(tokens), kv_pool, slots.clone(), fused)
+        )
 
     def run_deferred(self) -> None:
         """The captures `defer` was asked for, in order (scheduler thread)."""
         while self._deferred:
-            rid, tokens, kv_pool, slots, fused = self._deferred.pop(0)
-            self.capture(rid, tokens, kv_pool, slots, fused=fused)
+            self._deferred.popleft()()
 
     def capture(
         self,
