@@ -38,10 +38,10 @@ from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.model_paths import TINY_LLAMA, prepared_model
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
-    free_port,
     running_server,
     server_process_group,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.tiers.chunks.disk_tier import CHUNK_SUFFIX, ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.stored_forms import read_chunk, read_header
 

@@ -46,7 +46,7 @@ from benchmarks.auto_reuse import traffic_draws
 from benchmarks.smollm2_server import RESULTS, report_header, smollm2_path, write_report
 from examples.openai_rag import Answer, ask
 from sglang_hicache_ext.sglang_ext.chunk_fusion.auto_capture import OUTCOMES
-from sglang_hicache_ext.sglang_ext.server.launcher import free_port
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.tools.cluster import ClusterSpec, LocalCluster
 
 # No shadow checks: one runs on a server's idle time after its fused answer, while the next

@@ -49,12 +49,8 @@ from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, prepared_model
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
-from sglang_hicache_ext.sglang_ext.server.launcher import (
-    ServerConfig,
-    flush_cache,
-    free_port,
-    running_server,
-)
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.tools.streaming_client import stream_generate
 
 SEED = 2026  # the retention harness's question sample

@@ -45,7 +45,8 @@ from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample, load_hotpotq
 from sglang_hicache_ext.evaluation.model_paths import QWEN_CODER, SMOLLM2, prepared_model
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
 
 LOOP_SEED = 101

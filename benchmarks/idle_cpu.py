@@ -23,7 +23,8 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from sglang_hicache_ext.sglang_ext.server.launcher import free_port, stop_process_group
+from sglang_hicache_ext.sglang_ext.server.launcher import stop_process_group
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results" / "idle_cpu.json"
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")

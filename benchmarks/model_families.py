@@ -44,12 +44,8 @@ from sglang_hicache_ext.fusion.executor import fused_prefill
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment
 from sglang_hicache_ext.fusion.selectors import make_selector
-from sglang_hicache_ext.sglang_ext.server.launcher import (
-    ServerConfig,
-    flush_cache,
-    free_port,
-    running_server,
-)
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 ORDER = (2, 0, 1)
 NEW_TOKENS = 8

@@ -38,7 +38,8 @@ from benchmarks.fusion_speed import build_prompts
 from benchmarks.smollm2_server import RESULTS, smollm2_path, smollm2_tokenizer
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.tools.streaming_client import stream_generate
 
 SETTINGS = {"checked": 1.0, "unchecked": 0.0}

@@ -38,7 +38,8 @@ from benchmarks.smollm2_server import RESULTS
 from sglang_hicache_ext.evaluation.hotpotqa import HotpotQAExample
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR
 from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 
 def orders(example: HotpotQAExample, asks: int) -> list[list[str]]:

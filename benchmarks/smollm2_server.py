@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, SMOLLM2, prepared_model
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 MODEL = SMOLLM2
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -28,12 +28,8 @@ from benchmarks.fusion_speed import build_prompts, ttft
 from benchmarks.smollm2_server import server_benchmark_parser, write_json
 from sglang_hicache_ext.evaluation.model_paths import PREPARE_HINT, QWEN_CODER, prepared_model
 from sglang_hicache_ext.sglang_ext.frontend import register_documents
-from sglang_hicache_ext.sglang_ext.server.launcher import (
-    ServerConfig,
-    flush_cache,
-    free_port,
-    running_server,
-)
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 FUSED = {"fusion": True, "fusion_recompute_ratio": 0.15}  # the default selector
 TP_ENV = {1: {}, 2: {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}}

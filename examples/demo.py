@@ -37,9 +37,9 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     ServerStartError,
     flush_cache,
-    free_port,
     running_server,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 # The name `scripts/prepare_models.py` takes for each model the demo can run on.
 MODELS = {"qwen-coder": QWEN_CODER, "smollm2": SMOLLM2}

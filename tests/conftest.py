@@ -33,11 +33,11 @@ from scripts.prepare_models import (  # noqa: E402
 from sglang_hicache_ext.sglang_ext.config.disk_tier_settings import disk_tier_extra_config  # noqa: E402
 from sglang_hicache_ext.sglang_ext.server.launcher import (  # noqa: E402
     ServerConfig,
-    free_port,
     generate,
     server_starter,
     start_subprocess,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port  # noqa: E402
 from tests.server_zygote import zygote  # noqa: E402
 from tests.shared_servers import SharedServers  # noqa: E402
 

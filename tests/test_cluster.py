@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
-from sglang_hicache_ext.sglang_ext.server.launcher import free_port
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.tools.cluster import ClusterSpec, LocalCluster, core_shares
 
 pytestmark = pytest.mark.server

@@ -20,10 +20,10 @@ from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings, Set
 from sglang_hicache_ext.sglang_ext.config.settings_sources import CONFIG_ENV_VAR, EXTRA_CONFIG_KEY
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
-    free_port,
     start_server,
     stop_process_group,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.server.preflight import (
     PreflightError,
     check_chunk_disk,

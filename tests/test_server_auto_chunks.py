@@ -24,7 +24,8 @@ import requests
 from sglang_hicache_ext.evaluation.hotpotqa import load_hotpotqa
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 from sglang_hicache_ext.sglang_ext.frontend import wait_for_shadow_check
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from tests.test_server_retention_pressure import twin_prompts
 
 pytestmark = pytest.mark.server

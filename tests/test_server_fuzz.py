@@ -21,12 +21,8 @@ from sglang_hicache_ext.sglang_ext.chunk_fusion.registration import REGISTER_PAR
 from sglang_hicache_ext.sglang_ext.chunk_fusion.request_options import OPTION_KEYS
 from sglang_hicache_ext.sglang_ext.config.settings_sources import EXTRA_CONFIG_KEY
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
-from sglang_hicache_ext.sglang_ext.server.launcher import (
-    ServerConfig,
-    free_port,
-    generate,
-    running_server,
-)
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, generate, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 pytestmark = pytest.mark.server
 

@@ -20,12 +20,12 @@ import requests
 from sglang_hicache_ext.sglang_ext.config.settings_sources import EXTRA_CONFIG_KEY
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
-    free_port,
     generate,
     group_rss_bytes,
     running_server,
     server_process_group,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 pytestmark = pytest.mark.server
 

@@ -26,12 +26,8 @@ from sglang_hicache_ext.evaluation.tiny_families import (
     TEST_WINDOW,
     filler_documents,
 )
-from sglang_hicache_ext.sglang_ext.server.launcher import (
-    ServerConfig,
-    flush_cache,
-    free_port,
-    running_server,
-)
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 pytestmark = pytest.mark.server
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_servers
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_servers
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
 from tests.test_preflight import _assert_clear_error, refused_launch
 from tests.test_server_restart import DOCUMENTS, _chunks, _fused

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, free_port, running_server
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 pytestmark = pytest.mark.server
 

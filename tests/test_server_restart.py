@@ -17,10 +17,10 @@ import requests
 
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
-    free_port,
     running_server,
     server_process_group,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.tiers.chunks.stored_forms import read_header
 from sglang_hicache_ext.tuning.ratio.table import RatioTable, TunedRatio
 from tests.server_processes import TCP_LISTEN, tcp_states_on_port

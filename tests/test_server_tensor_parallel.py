@@ -23,10 +23,10 @@ import requests
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     flush_cache,
-    free_port,
     running_server,
     running_servers,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import running_master
 from sglang_hicache_ext.tiers.chunks.mooncake_client import MooncakeClient, MooncakeConfig
 from tests.test_server_model_families import _generate

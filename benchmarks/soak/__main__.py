@@ -24,9 +24,9 @@ from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_ex
 from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerConfig,
     ServerStartError,
-    free_port,
     running_server,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 
 def disk_tier_config(args: SoakOptions, disk_dir: Path) -> dict[str, Any]:

@@ -15,12 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from sglang_hicache_ext.sglang_ext.disk_tier.storage_backend import disk_tier_extra_config
-from sglang_hicache_ext.sglang_ext.server.launcher import (
-    ServerConfig,
-    flush_cache,
-    free_port,
-    running_server,
-)
+from sglang_hicache_ext.sglang_ext.server.launcher import ServerConfig, flush_cache, running_server
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.tools.streaming_client import (
     StreamedGeneration,
     stream_generate,

@@ -48,11 +48,11 @@ from sglang_hicache_ext.sglang_ext.server.launcher import (
     ServerProcess,
     ServerStartError,
     exit_on_sigterm,
-    free_port,
     start_server,
     stop_process_group,
     wait_until_healthy,
 )
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 from sglang_hicache_ext.sglang_ext.server.preflight import PreflightError, check_port_free
 from sglang_hicache_ext.sglang_ext.tools.mooncake_master import MooncakeMaster
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sglang_hicache_ext.sglang_ext.server.launcher import free_port
+from sglang_hicache_ext.sglang_ext.server.ports import free_port
 
 _DEPS = Path(sys.prefix) / "lib" / "mooncake-deps"  # devenv/mooncake_deps.sh
 
