@@ -22,7 +22,8 @@ def reference_attention(q, k, v, q_pos, k_pos, scale):
 CASES = {
     # name: (query positions, number of keys)
     "full_causal": (torch.arange(0, 48), 48),
-    "prefix_extend": (torch.arange(32, 48), 48),
+    "prefix_extend": (torch.arange(32, 48), 48),  # a long prefix: attended apart, merged
+    "short_prefix_extend": (torch.arange(8, 48), 48),  # a short one: placeholder queries
     "decode": (torch.tensor([47]), 48),
     "scattered": (torch.tensor([3, 9, 10, 30, 47]), 48),
 }
