@@ -19,9 +19,10 @@ Reported as `shaped_warm_up_ttft_s`, `shaped_warm_up_off_ttft_s` and its prompt 
 the longest measured prompt's. Then each prompt holds `--per-request` paragraphs, `seen` of them from
 the pool and the rest never seen before (kept by this prompt, reused by none), for every `seen`
 from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
-server's default ratio, not shadow-checked) and then with `{"fusion": false}` behind a system
-prompt of its own (a number first: the fused prompt, in the prefix tree when it fell back, is
-not reused), one request at a time, TTFT the first streamed token; the fusion counters read
+server's default ratio, not shadow-checked) and then with `{"fusion": false}`, its first
+document behind a number of its own (`auto_reuse.fusion_off_twin`: the fused prompt, in the
+prefix tree when it fell back, is not reused; the system prompt's page is, by both), one
+request at a time, TTFT the first streamed token; the fusion counters read
 between them wait for the pieces the fused prompt kept, so neither request pays for the other's
 capture. Each arm reports the shadow checks' counts and the ratio their target holds per tier at
 its end. `--ratio R` has the measured fused prompts ask for recompute ratio R instead of the
@@ -53,7 +54,13 @@ from typing import Any, NamedTuple
 import requests
 from tqdm import tqdm
 
-from benchmarks.auto_reuse import FLAGS, corpus_of, fusion_counters, settings_file
+from benchmarks.auto_reuse import (
+    FLAGS,
+    corpus_of,
+    fusion_counters,
+    fusion_off_twin,
+    settings_file,
+)
 from benchmarks.smollm2_server import (
     report_header,
     server_benchmark_parser,
@@ -200,7 +207,8 @@ def run(
         # same either way (a target moves it only after 8 checks at one ratio).
         fused = ask(client, "default", docs, QUESTION, fusion_shadow=False, **pinned)
         after = fusion_counters(url)  # waits for the pieces the fused prompt kept
-        off = ask(client, "default", docs, QUESTION, system=f"{number}. {SYSTEM}", fusion=False)
+        twin = fusion_off_twin(docs, number)
+        off = ask(client, "default", twin, QUESTION, fusion=False)
         rows.append(
             {
                 "seen": seen,
@@ -210,6 +218,8 @@ def run(
                 "fused": after["fused_requests"] > before["fused_requests"],
                 "fused_ttft_s": fused.ttft_s,
                 "off_ttft_s": off.ttft_s,
+                "cached_tokens": fused.cached_tokens,
+                "off_cached_tokens": off.cached_tokens,
             }
         )
     return {"rows": rows, **shadow_state(url)}

@@ -8,10 +8,10 @@ with Zipf popularity (`--skew`), in random order. Host memory for chunks (`chunk
 is `--budget` times the popular set's dense KV bytes (fp32 K and V of every layer; a stored
 chunk also holds its scores, so the real ratio is a little below), so the one-offs cannot all
 stay. One server per arm, one after the other, the same requests in the same order; each
-prompt sent fused (the server's default ratio) and then with `{"fusion": false}` behind a
-system prompt of its own (a number first, so the fused request's prompt, in the prefix tree
-when it fell back to the normal prefill, is not reused), one request at a time, TTFT the first
-streamed token (the only token asked for). `--fusion-off-in` names the arms that send the
+prompt sent fused (the server's default ratio) and then with `{"fusion": false}`, its first
+document behind a number of its own (`auto_reuse.fusion_off_twin`: the fused request's prompt,
+in the prefix tree when it fell back to the normal prefill, is not reused; the system prompt's
+page is, by both), one request at a time, TTFT the first streamed token (the only token asked for). `--fusion-off-in` names the arms that send the
 fusion-off requests (all by default), to shorten a long run: the other arms' rows carry those
 times, but their TTFT ratio is not written (two servers' prefill times differ from one run to
 the next by more than the effects measured).
@@ -40,7 +40,13 @@ from typing import Any
 import requests
 from tqdm import tqdm
 
-from benchmarks.auto_reuse import FLAGS, corpus_of, fusion_counters, settings_file
+from benchmarks.auto_reuse import (
+    FLAGS,
+    corpus_of,
+    fusion_counters,
+    fusion_off_twin,
+    settings_file,
+)
 from benchmarks.smollm2_server import (
     RESULTS,
     report_header,
@@ -49,7 +55,7 @@ from benchmarks.smollm2_server import (
     smollm2_tokenizer,
     write_report,
 )
-from examples.openai_rag import SYSTEM, ask
+from examples.openai_rag import ask
 from sglang_hicache_ext.sglang_ext.config.settings import ExtensionSettings
 
 # Each arm's host memory: "lru" as before issue 56 (every piece admitted, the least recently
@@ -113,13 +119,11 @@ def run_arm(
         before = fusion_counters(url)
         fused = ask(client, "default", docs, question, max_tokens=1)
         after = fusion_counters(url)
-        off_ttft_s = None
+        off_ttft_s = off_cached = None
         if time_fusion_off:
-            # Its own first line: the fused request's prompt, when it fell back to the normal
-            # prefill, is in the prefix tree, and the same prompt would be served from there.
-            system = f"{number}. {SYSTEM}"
-            off = ask(client, "default", docs, question, system=system, max_tokens=1, fusion=False)
-            off_ttft_s = off.ttft_s
+            twin = fusion_off_twin(docs, number)
+            off = ask(client, "default", twin, question, max_tokens=1, fusion=False)
+            off_ttft_s, off_cached = off.ttft_s, off.cached_tokens
         rows.append(
             {
                 "popular_seen_tokens": sum(tokens[d] for d in docs if d in popular and d in seen),
@@ -129,6 +133,8 @@ def run_arm(
                 "fused_ttft_s": fused.ttft_s,
                 "off_ttft_s": off_ttft_s,
                 "prompt_tokens": fused.prompt_tokens,
+                "cached_tokens": fused.cached_tokens,
+                "off_cached_tokens": off_cached,
             }
         )
         seen.update(docs)
