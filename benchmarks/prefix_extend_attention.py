@@ -27,7 +27,17 @@ from sglang_hicache_ext.fusion import attention
 HEADS, KV_HEADS, HEAD_SIZE = 9, 3, 64
 # (cached prefix, new tokens): a system prompt's page before prompts of a few lengths, and
 # prefixes as long as the new text or longer (a conversation's next turn).
-SHAPES = ((16, 64), (16, 900), (64, 900), (256, 660), (512, 400), (1024, 256), (256, 64))
+SHAPES = (
+    (16, 64),
+    (16, 900),
+    (64, 900),
+    (128, 900),
+    (200, 700),
+    (256, 660),
+    (512, 400),
+    (1024, 256),
+    (256, 64),
+)
 
 
 def one_layer(
