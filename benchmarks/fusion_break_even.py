@@ -19,8 +19,8 @@ Reported as `shaped_warm_up_ttft_s`, `shaped_warm_up_off_ttft_s` and its prompt 
 the longest measured prompt's. Then each prompt holds `--per-request` paragraphs, `seen` of them from
 the pool and the rest never seen before (kept by this prompt, reused by none), for every `seen`
 from 0 to `--per-request`, in a shuffled order per repeat. Each prompt is sent fused (the
-server's default ratio, not shadow-checked) and then with `{"fusion": false}`, its first
-document behind a number of its own (`auto_reuse.fusion_off_twin`: the fused prompt, in the
+server's default ratio, not shadow-checked) and with `{"fusion": false}` (the twin first in
+every other pair), the twin's first document behind a number of its own (`auto_reuse.fusion_off_twin`: the fused prompt, in the
 prefix tree when it fell back, is not reused; the system prompt's page is, by both), one
 request at a time, TTFT the first streamed token; the fusion counters read
 between them wait for the pieces the fused prompt kept, so neither request pays for the other's
@@ -201,14 +201,19 @@ def run(
     pinned = {} if ratio is None else {"fusion_recompute_ratio": ratio}
     rows = []
     for number, (seen, docs) in enumerate(tqdm(measured, desc="prompts", disable=None)):
+        # Every other pair sends its twin first: whatever the order of a pair costs either
+        # request falls on each side alike.
+        off_first = number % 2 == 1
+        twin = fusion_off_twin(docs, number)
+        off = ask(client, "default", twin, QUESTION, fusion=False) if off_first else None
         before = fusion_counters(url)
         # Not shadow-checked: the check would start in the idle moment before the fusion-off
         # twin and hold that one up by a round (flattering the fused arm); the ratio is the
         # same either way (a target moves it only after 8 checks at one ratio).
         fused = ask(client, "default", docs, QUESTION, fusion_shadow=False, **pinned)
         after = fusion_counters(url)  # waits for the pieces the fused prompt kept
-        twin = fusion_off_twin(docs, number)
-        off = ask(client, "default", twin, QUESTION, fusion=False)
+        if off is None:
+            off = ask(client, "default", twin, QUESTION, fusion=False)
         rows.append(
             {
                 "seen": seen,
@@ -218,6 +223,7 @@ def run(
                 "fused": after["fused_requests"] > before["fused_requests"],
                 "fused_ttft_s": fused.ttft_s,
                 "off_ttft_s": off.ttft_s,
+                "off_first": off_first,
                 "cached_tokens": fused.cached_tokens,
                 "off_cached_tokens": off.cached_tokens,
             }

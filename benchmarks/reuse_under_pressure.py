@@ -8,11 +8,13 @@ with Zipf popularity (`--skew`), in random order. Host memory for chunks (`chunk
 is `--budget` times the popular set's dense KV bytes (fp32 K and V of every layer; a stored
 chunk also holds its scores, so the real ratio is a little below), so the one-offs cannot all
 stay. One server per arm, one after the other, the same requests in the same order; each
-prompt sent fused (the server's default ratio) and then with `{"fusion": false}`, its first
-document behind a number of its own (`auto_reuse.fusion_off_twin`: the fused request's prompt,
-in the prefix tree when it fell back to the normal prefill, is not reused; the system prompt's
-page is, by both), one request at a time, TTFT the first streamed token (the only token asked for). `--fusion-off-in` names the arms that send the
-fusion-off requests (all by default), to shorten a long run: the other arms' rows carry those
+prompt sent fused (the server's default ratio) and with `{"fusion": false}`, the twin first in
+every other pair (`paired_ttft_ratios` reports both orders), its first document behind a number
+of its own (`auto_reuse.fusion_off_twin`: the fused request's prompt, in the prefix tree when it
+fell back to the normal prefill, is not reused; the system prompt's page is, by both), one
+request at a time, TTFT the first streamed token (the only token asked for). The fusion
+counters read after the fused request wait for the pieces it kept, so neither request pays for
+the other's capture. `--fusion-off-in` names the arms that send the fusion-off requests (all by default), to shorten a long run: the other arms' rows carry those
 times, but their TTFT ratio is not written (two servers' prefill times differ from one run to
 the next by more than the effects measured).
 
@@ -116,14 +118,20 @@ def run_arm(
     rows = []
     for number, docs in enumerate(tqdm(draws, desc=desc, disable=None)):
         question = questions[docs[0]]
+        # Every other pair sends its twin first: whatever the order of a pair costs either
+        # request (the state the one before left) falls on each side alike.
+        off_first = time_fusion_off and number % 2 == 1
+        twin = fusion_off_twin(docs, number)
+        off = (
+            ask(client, "default", twin, question, max_tokens=1, fusion=False)
+            if off_first
+            else None
+        )
         before = fusion_counters(url)
         fused = ask(client, "default", docs, question, max_tokens=1)
-        after = fusion_counters(url)
-        off_ttft_s = off_cached = None
-        if time_fusion_off:
-            twin = fusion_off_twin(docs, number)
+        after = fusion_counters(url)  # waits for the pieces the fused prompt kept
+        if time_fusion_off and not off_first:
             off = ask(client, "default", twin, question, max_tokens=1, fusion=False)
-            off_ttft_s, off_cached = off.ttft_s, off.cached_tokens
         rows.append(
             {
                 "popular_seen_tokens": sum(tokens[d] for d in docs if d in popular and d in seen),
@@ -131,10 +139,11 @@ def run_arm(
                 "chunk_tokens": after["chunk_tokens"] - before["chunk_tokens"],
                 "fused": after["fused_requests"] > before["fused_requests"],
                 "fused_ttft_s": fused.ttft_s,
-                "off_ttft_s": off_ttft_s,
+                "off_ttft_s": None if off is None else off.ttft_s,
+                "off_first": off_first,
                 "prompt_tokens": fused.prompt_tokens,
                 "cached_tokens": fused.cached_tokens,
-                "off_cached_tokens": off_cached,
+                "off_cached_tokens": None if off is None else off.cached_tokens,
             }
         )
         seen.update(docs)
@@ -160,10 +169,27 @@ def summarise(rows: list[dict[str, Any]], server_info: dict[str, Any]) -> dict[s
         "ttft_ratio_median_of_medians": statistics.median(r["fused_ttft_s"] for r in later)
         / statistics.median(r["off_ttft_s"] for r in later),
         "fused_share": sum(r["fused"] for r in later) / len(later),
+        "paired_ttft_ratios": paired_ratios(later),
         "matched_shares": matched_shares(later, BREAK_EVEN),
         "auto_chunks": state.get("auto_chunks"),
         "host": host,
         "host_bytes_by_form": chunks.get("bytes_by_form"),
+    }
+
+
+def paired_ratios(later: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Median of each request's TTFT over its fusion-off twin's: over the fused requests, the
+    ones not fused, and by which of the pair went first (None where none)."""
+
+    def median(rows: list[dict[str, Any]]) -> float | None:
+        ratios = [r["fused_ttft_s"] / r["off_ttft_s"] for r in rows if r["off_ttft_s"]]
+        return statistics.median(ratios) if ratios else None
+
+    return {
+        "fused": median([r for r in later if r["fused"]]),
+        "not_fused": median([r for r in later if not r["fused"]]),
+        "fused_first": median([r for r in later if not r.get("off_first")]),
+        "off_first": median([r for r in later if r.get("off_first")]),
     }
 
 
