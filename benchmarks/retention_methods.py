@@ -14,8 +14,6 @@ options), each followed by modifiers joined with `+`:
   saves (default `SCORING_COST_SHARE`, 0.1);
 - `fullread`: that pass reads the question's last `SCORING_QUESTION_TOKENS` whatever the
   request's reuse saves (no `SCORING_COST_SHARE` bound);
-- `floorread`: a request whose reuse cannot afford `SCORING_MIN_QUESTION_TOKENS` within that
-  bound still runs the pass, reading that many (instead of choosing by stored frequency scores);
 - `prefix`: chunks precomputed after the prompt's system prompt and chat header instead of
   alone (`fusion/precompute.py`);
 - `traffic`: chunks captured from traffic as the server's `auto_chunks` does: the pieces
@@ -96,8 +94,6 @@ def parse_method(method: str) -> Method:
             options["question_tokens"] = None
         elif modifier == "fullread":
             options["cost_share"] = None
-        elif modifier == "floorread":
-            options["read_below_floor"] = True
         elif modifier.startswith("share"):
             try:
                 options["cost_share"] = float(modifier[5:])

@@ -123,10 +123,7 @@ class RequestState:
         # When the chunks' first tokens fill the budget the selection needs no scores, and no
         # scoring pass runs (unless the fidelity signals, which it records, are asked for). A
         # check layer still runs: the KV it computes for every token up to it is kept.
-        # Nor when the request's reuse cannot afford the pass and the selector has stored
-        # scores to choose by instead (a pass run for the signals then selects nothing).
-        self.pass_pays = self.selector.scoring_pass_pays(self.layout, num_layers)
-        scored = job.record_signals or (self.selector.scores_decide(self.layout) and self.pass_pays)
+        scored = self.selector.scores_decide(self.layout) or job.record_signals
         self.check_layer = self.selector.check_layer
         self.scoring_layers = self.selector.scoring_layers(num_layers) if scored else ()
         fresh = self.selector.fresh_layers
@@ -166,7 +163,7 @@ class RequestState:
         """Select from a scoring pass's question attention [N_chunk] (before layer 0)."""
         ctx = SelectionContext(
             self.layout,
-            question_attention=question_attention.cpu() if self.pass_pays else None,
+            question_attention=question_attention.cpu(),
             combine=self._combine_scores,
         )
         self.selected = self.selector.select(ctx)

@@ -102,14 +102,14 @@ def test_scoring_read_costs_at_most_its_share_of_what_reuse_saves(
 ) -> None:
     """A request that reuses few chunk tokens saves little: its scoring pass reads only as many
     of the question's last tokens as cost SCORING_COST_SHARE of the token-layers reuse skips
-    (never fewer than SCORING_MIN_QUESTION_TOKENS: `read_below_floor` reads that floor where
-    the reuse affords less), and selects exactly as an unbounded pass reading that many would."""
+    (never fewer than SCORING_MIN_QUESTION_TOKENS), and selects exactly as an unbounded pass
+    reading that many would."""
     adapter = models[family]
     ids = _ids(17, chunk_tokens + SCORING_QUESTION_TOKENS)
     chunk = precompute_chunk(adapter, ids[:chunk_tokens])
     segments = [ChunkSegment(chunk), TextSegment(tuple(ids[chunk_tokens:]))]
     layout = build_layout(segments)
-    bounded = make_selector("question_attention", 0.3, read_below_floor=True)
+    bounded = make_selector("question_attention", 0.3)
     num_layers = adapter.shape.num_layers
     skipped_layers = (layout.num_chunk_tokens - bounded.budget(layout)) * num_layers
     pass_layers = max(bounded.scoring_layers(num_layers)) + 1
@@ -164,45 +164,3 @@ def test_no_scoring_pass_when_first_tokens_fill_the_budget(models: dict, family:
     text = layout.num_tokens - layout.num_chunk_tokens
     assert plain.computed_tokens == (text + selector.budget(layout),) * adapter.shape.num_layers
     torch.testing.assert_close(plain.logits, scored.logits, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("record_signals", [False, True])
-def test_reuse_that_cannot_afford_the_pass_selects_by_stored_scores(
-    models: dict, family: str, record_signals: bool
-) -> None:
-    """A request whose reuse saves too little to pay even SCORING_MIN_QUESTION_TOKENS within
-    SCORING_COST_SHARE runs no scoring pass (one walk of the layers) and selects as CacheTune's
-    stored frequency scores do, with the same answer; the retention harness's signals, which
-    need the pass, run it without changing the selection."""
-    adapter = models[family]
-    ids = _ids(17, 40 + SCORING_QUESTION_TOKENS)
-    chunk = precompute_chunk(adapter, ids[:40])
-    segments = [ChunkSegment(chunk), TextSegment(tuple(ids[40:]))]
-    layout = build_layout(segments)
-    selector = make_selector("question_attention", 0.3)
-    num_layers = adapter.shape.num_layers
-    assert selector.scores_decide(layout)
-    assert not selector.scoring_pass_pays(layout, num_layers)
-    assert make_selector("question_attention", 0.3, read_below_floor=True).scoring_pass_pays(
-        layout, num_layers
-    )
-    walks: list[int] = []
-    embed = adapter.embed
-
-    def counted(token_ids: torch.Tensor) -> torch.Tensor:
-        walks.append(int(token_ids.numel()))
-        return embed(token_ids)
-
-    adapter.embed = counted
-    try:
-        (cheap,) = fused_prefill_batch(
-            adapter, [FusionJob(segments, selector, record_signals=record_signals)]
-        )
-    finally:
-        del adapter.embed
-    assert len(walks) == (2 if record_signals else 1)
-    stored = fused_prefill(adapter, segments, make_selector("freq", 0.3))
-    assert cheap.selected.numel() == selector.budget(layout) > 0
-    assert torch.equal(cheap.selected, stored.selected)
-    torch.testing.assert_close(cheap.logits, stored.logits, rtol=0, atol=0)

@@ -113,26 +113,13 @@ class Selector(ABC):
         SCORING_MIN_QUESTION_TOKENS. A question token goes through the pass's layers; each
         chunk token left out of the budget skips every layer past the fresh ones."""
         cap = self.scoring_question_tokens
-        affordable = self.affordable_question_tokens(layout, num_layers)
-        if cap is None or affordable is None:
-            return cap
-        return min(cap, max(SCORING_MIN_QUESTION_TOKENS, affordable))
-
-    def affordable_question_tokens(self, layout: RequestLayout, num_layers: int) -> int | None:
-        """How many question tokens a scoring pass may read within `scoring_cost_share` of the
-        token-layers this request's reuse saves (None: no bound, or no pass)."""
         layers = self.scoring_layers(num_layers)
-        if self.scoring_cost_share is None or not layers:
-            return None
+        if cap is None or self.scoring_cost_share is None or not layers:
+            return cap
         skipped = layout.num_chunk_tokens - self.budget(layout)
         saved = skipped * max(num_layers - self.fresh_layers, 0)
-        return int(self.scoring_cost_share * saved / (max(layers) + 1))
-
-    def scoring_pass_pays(self, layout: RequestLayout, num_layers: int) -> bool:
-        """Whether this request runs its scoring pass when its selection needs scores. A
-        selector that can score from stored data says False where the pass costs more than
-        its share of the reuse; the others always run it."""
-        return True
+        affordable = int(self.scoring_cost_share * saved / (max(layers) + 1))
+        return min(cap, max(SCORING_MIN_QUESTION_TOKENS, affordable))
 
     def budget(self, layout: RequestLayout) -> int:
         """Number of chunk tokens to recompute in this request."""

@@ -7,14 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from sglang_hicache_ext.fusion.request import (
-    SCORING_COST_SHARE,
-    SCORING_MIN_QUESTION_TOKENS,
-    SCORING_QUESTION_TOKENS,
-    RequestLayout,
-)
+from sglang_hicache_ext.fusion.request import SCORING_COST_SHARE, SCORING_QUESTION_TOKENS
 from sglang_hicache_ext.fusion.selectors.base import SelectionContext, Selector
-from sglang_hicache_ext.fusion.selectors.frequency import FrequencySelector
 
 
 class QuestionAttentionSelector(Selector):
@@ -34,12 +28,6 @@ class QuestionAttentionSelector(Selector):
     all); a prompt's text after its last chunk is its question when none is marked, and may be
     new paragraphs before the question itself. `cost_share`: the read costs at most this share
     of the compute the request's reuse saves (None: no bound; `Selector.scoring_question_read`).
-
-    A request whose reuse cannot afford even SCORING_MIN_QUESTION_TOKENS within that share (a
-    short reused paragraph in a long new prompt) runs no pass: its selection is CacheTune's,
-    from the frequency scores stored with each chunk (`FrequencySelector`), unless
-    `read_below_floor` has the pass read the floor anyway (as before; the pass then cost about
-    half what such a reuse saves, docs/auto-chunks.md).
     """
 
     name = "question_attention"
@@ -54,11 +42,8 @@ class QuestionAttentionSelector(Selector):
         whole_prompt: bool = False,
         question_tokens: int | None = SCORING_QUESTION_TOKENS,
         cost_share: float | None = SCORING_COST_SHARE,
-        read_below_floor: bool = False,
     ) -> None:
         super().__init__(ratio, sink_tokens, fresh_layers)
-        self.read_below_floor = read_below_floor
-        self._stored = FrequencySelector(ratio, sink_tokens=sink_tokens, fresh_layers=fresh_layers)
         self.scoring_reads_whole_prompt = whole_prompt
         if question_tokens is not None and question_tokens < 1:
             raise ValueError(f"question_tokens must be >= 1 or None, got {question_tokens}")
@@ -74,18 +59,6 @@ class QuestionAttentionSelector(Selector):
     def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
         first = min(math.floor(self.layers[0] * num_layers), num_layers - 1)
         return tuple(range(first, max(first + 1, math.ceil(self.layers[1] * num_layers))))
-
-    def scoring_pass_pays(self, layout: RequestLayout, num_layers: int) -> bool:
-        if self.read_below_floor:
-            return True
-        affordable = self.affordable_question_tokens(layout, num_layers)
-        return affordable is None or affordable >= SCORING_MIN_QUESTION_TOKENS
-
-    def select(self, ctx: SelectionContext) -> torch.Tensor:
-        if ctx.question_attention is None and self.scores_decide(ctx.layout):
-            # No pass ran: the request's reuse could not afford it (`scoring_pass_pays`).
-            return self._stored.select(ctx)
-        return super().select(ctx)
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         if ctx.question_attention is None:
