@@ -14,9 +14,11 @@ of its own (`auto_reuse.fusion_off_twin`: the fused request's prompt, in the pre
 fell back to the normal prefill, is not reused; the system prompt's page is, by both), one
 request at a time, TTFT the first streamed token (the only token asked for). The fusion
 counters read after the fused request wait for the pieces it kept, so neither request pays for
-the other's capture. `--fusion-off-in` names the arms that send the fusion-off requests (all by default), to shorten a long run: the other arms' rows carry those
-times, but their TTFT ratio is not written (two servers' prefill times differ from one run to
-the next by more than the effects measured).
+the other's capture. `--fusion-off-in` names the arms that send the fusion-off requests (all by
+default), to shorten a long run: the other arms' rows carry those times, but their TTFT ratio
+is not written (two servers' prefill times differ from one run to the next by more than the
+effects measured). `--arms control` sends both of each pair with fusion off: its ratio is the
+benchmark's resolution.
 
 Per request: the tokens of its popular paragraphs seen before in the arm's run, and the
 document tokens its fused prefill matched to stored chunks (the fusion counters around it; a
@@ -69,6 +71,11 @@ ARM_SETTINGS = {
     "adaptive": {"chunk_admission": "adaptive", "chunk_retention": "utility"},
     "frequency": {"chunk_admission": "frequency", "chunk_retention": "utility"},
 }
+# The control arm (`--arms control`): the defaults' server, and the request that would ask for
+# fusion sent with fusion off as well, so both of a pair are normal prefills. Its TTFT ratio is
+# what the benchmark reads where fusion changes nothing: the resolution of the other arms'.
+CONTROL = "control"
+ARM_SETTINGS[CONTROL] = ARM_SETTINGS["adaptive"]
 # The shipped fusion_min_matched_share: prompts covered less fall back (`matched_shares`).
 BREAK_EVEN = ExtensionSettings().fusion_min_matched_share
 
@@ -110,6 +117,7 @@ def run_arm(
     tokens: dict[str, int],
     desc: str,
     time_fusion_off: bool = True,
+    fusion: bool = True,
 ) -> list[dict[str, Any]]:
     import openai
 
@@ -128,7 +136,7 @@ def run_arm(
             else None
         )
         before = fusion_counters(url)
-        fused = ask(client, "default", docs, question, max_tokens=1)
+        fused = ask(client, "default", docs, question, max_tokens=1, fusion=fusion)
         after = fusion_counters(url)  # waits for the pieces the fused prompt kept
         if time_fusion_off and not off_first:
             off = ask(client, "default", twin, question, max_tokens=1, fusion=False)
@@ -306,7 +314,16 @@ def main() -> int:
             values["fusion_min_matched_share"] = args.min_matched_share
         env = {"SGLANG_HICACHE_EXT_CONFIG": settings_file(values)}
         with smollm2_server(f"pressure-{arm}", extra_args=FLAGS, env=env) as server:
-            rows = run_arm(server.url, draws, set(hot), questions, tokens, arm, arm in timing_arms)
+            rows = run_arm(
+                server.url,
+                draws,
+                set(hot),
+                questions,
+                tokens,
+                arm,
+                arm in timing_arms,
+                fusion=arm != CONTROL,
+            )
             info = requests.get(server.url + "/server_info", timeout=30).json()
         runs[arm] = rows, info
     arms: dict[str, Any] = {}
