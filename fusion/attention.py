@@ -269,9 +269,9 @@ def _cpu_flash_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 # A cached prefix up to this share of the new tokens is attended as placeholder queries of one
-# causal call rather than apart: on CPU (SmolLM2's heads, 2 cores) 16 prefix tokens before 900
-# new ones took 9.6 ms a layer padded against 12.4 ms split, even at 256 before 660
-# (docs/cpu-attention.md).
+# causal call rather than apart: on CPU the padded call was the faster below a third in every
+# run and about even at 0.4, and lost from about 1 up (docs/cpu-attention.md, "A short cached
+# prefix").
 PADDED_PREFIX_SHARE = 1 / 3
 
 
