@@ -32,6 +32,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     ephemeral_low = _ephemeral_low()
     if ephemeral_low - PORT_RANGE_LOW < 64:
         return _kernel_port(host)
+    try:
+        return _reserved_port(host, ephemeral_low)
+    except OSError:  # no writable temp folder: unreserved, as before
+        return _kernel_port(host)
+
+
+def _reserved_port(host: str, ephemeral_low: int) -> int:
     with open(_RESERVATIONS.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         now = time.time()
