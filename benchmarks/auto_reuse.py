@@ -28,8 +28,9 @@ import json
 import random
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import requests
 from tqdm import tqdm
@@ -86,6 +87,34 @@ def fusion_off_twin(documents: list[str], number: int) -> list[str]:
     the system prompt instead denied the twin that page, and the fused request alone computed
     16 fewer tokens."""
     return [f"({number}) {documents[0]}", *documents[1:]]
+
+
+class Pair(NamedTuple):
+    """A fused request and its fusion-off twin (None where not timed), the fusion counters
+    around the fused one, and whether the twin went first."""
+
+    fused: Answer
+    off: Answer | None
+    before: dict[str, int]
+    after: dict[str, int]
+    off_first: bool
+
+
+def fused_and_twin(
+    url: str, number: int, fused: Callable[[], Answer], off: Callable[[], Answer] | None
+) -> Pair:
+    """Pair `number`: `fused` sent between two reads of the fusion counters (the second waits
+    for the pieces the fused prompt kept, so neither request pays for the other's capture) and
+    `off`, its twin, first in every other pair: whatever the order of a pair costs either
+    request (the state the one before left) falls on each side alike."""
+    off_first = off is not None and number % 2 == 1
+    twin = off() if off is not None and off_first else None
+    before = fusion_counters(url)
+    answer = fused()
+    after = fusion_counters(url)
+    if off is not None and not off_first:
+        twin = off()
+    return Pair(answer, twin, before, after, off_first)
 
 
 def settings_file(values: dict[str, Any]) -> str:

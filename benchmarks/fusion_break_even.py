@@ -48,6 +48,7 @@ import random
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -57,6 +58,7 @@ from tqdm import tqdm
 from benchmarks.auto_reuse import (
     FLAGS,
     corpus_of,
+    fused_and_twin,
     fusion_counters,
     fusion_off_twin,
     settings_file,
@@ -201,19 +203,19 @@ def run(
     pinned = {} if ratio is None else {"fusion_recompute_ratio": ratio}
     rows = []
     for number, (seen, docs) in enumerate(tqdm(measured, desc="prompts", disable=None)):
-        # Every other pair sends its twin first: whatever the order of a pair costs either
-        # request falls on each side alike.
-        off_first = number % 2 == 1
         twin = fusion_off_twin(docs, number)
-        off = ask(client, "default", twin, QUESTION, fusion=False) if off_first else None
-        before = fusion_counters(url)
         # Not shadow-checked: the check would start in the idle moment before the fusion-off
         # twin and hold that one up by a round (flattering the fused arm); the ratio is the
         # same either way (a target moves it only after 8 checks at one ratio).
-        fused = ask(client, "default", docs, QUESTION, fusion_shadow=False, **pinned)
-        after = fusion_counters(url)  # waits for the pieces the fused prompt kept
-        if off is None:
-            off = ask(client, "default", twin, QUESTION, fusion=False)
+        pair = fused_and_twin(
+            url,
+            number,
+            partial(ask, client, "default", docs, QUESTION, fusion_shadow=False, **pinned),
+            partial(ask, client, "default", twin, QUESTION, fusion=False),
+        )
+        fused, before, after = pair.fused, pair.before, pair.after
+        assert pair.off is not None
+        off = pair.off
         rows.append(
             {
                 "seen": seen,
@@ -223,7 +225,7 @@ def run(
                 "fused": after["fused_requests"] > before["fused_requests"],
                 "fused_ttft_s": fused.ttft_s,
                 "off_ttft_s": off.ttft_s,
-                "off_first": off_first,
+                "off_first": pair.off_first,
                 "cached_tokens": fused.cached_tokens,
                 "off_cached_tokens": off.cached_tokens,
             }

@@ -38,6 +38,7 @@ import argparse
 import json
 import random
 import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from tqdm import tqdm
 from benchmarks.auto_reuse import (
     FLAGS,
     corpus_of,
-    fusion_counters,
+    fused_and_twin,
     fusion_off_twin,
     settings_file,
 )
@@ -70,12 +71,12 @@ ARM_SETTINGS = {
     "lru": {"chunk_admission": "lru", "chunk_retention": "lru"},
     "adaptive": {"chunk_admission": "adaptive", "chunk_retention": "utility"},
     "frequency": {"chunk_admission": "frequency", "chunk_retention": "utility"},
+    # The defaults' server, and the request that would ask for fusion sent with fusion off as
+    # well, so both of a pair are normal prefills: its TTFT ratio is what the benchmark reads
+    # where fusion changes nothing, the resolution of the other arms'.
+    "control": {"chunk_admission": "adaptive", "chunk_retention": "utility"},
 }
-# The control arm (`--arms control`): the defaults' server, and the request that would ask for
-# fusion sent with fusion off as well, so both of a pair are normal prefills. Its TTFT ratio is
-# what the benchmark reads where fusion changes nothing: the resolution of the other arms'.
 CONTROL = "control"
-ARM_SETTINGS[CONTROL] = ARM_SETTINGS["adaptive"]
 # The shipped fusion_min_matched_share: prompts covered less fall back (`matched_shares`).
 BREAK_EVEN = ExtensionSettings().fusion_min_matched_share
 
@@ -126,20 +127,16 @@ def run_arm(
     rows = []
     for number, docs in enumerate(tqdm(draws, desc=desc, disable=None)):
         question = questions[docs[0]]
-        # Every other pair sends its twin first: whatever the order of a pair costs either
-        # request (the state the one before left) falls on each side alike.
-        off_first = time_fusion_off and number % 2 == 1
         twin = fusion_off_twin(docs, number)
-        off = (
-            ask(client, "default", twin, question, max_tokens=1, fusion=False)
-            if off_first
-            else None
+        pair = fused_and_twin(
+            url,
+            number,
+            partial(ask, client, "default", docs, question, max_tokens=1, fusion=fusion),
+            partial(ask, client, "default", twin, question, max_tokens=1, fusion=False)
+            if time_fusion_off
+            else None,
         )
-        before = fusion_counters(url)
-        fused = ask(client, "default", docs, question, max_tokens=1, fusion=fusion)
-        after = fusion_counters(url)  # waits for the pieces the fused prompt kept
-        if time_fusion_off and not off_first:
-            off = ask(client, "default", twin, question, max_tokens=1, fusion=False)
+        fused, off, before, after = pair.fused, pair.off, pair.before, pair.after
         rows.append(
             {
                 "popular_seen_tokens": sum(tokens[d] for d in docs if d in popular and d in seen),
@@ -148,7 +145,7 @@ def run_arm(
                 "fused": after["fused_requests"] > before["fused_requests"],
                 "fused_ttft_s": fused.ttft_s,
                 "off_ttft_s": None if off is None else off.ttft_s,
-                "off_first": off_first,
+                "off_first": pair.off_first,
                 "prompt_tokens": fused.prompt_tokens,
                 "cached_tokens": fused.cached_tokens,
                 "off_cached_tokens": None if off is None else off.cached_tokens,
@@ -300,6 +297,8 @@ def main() -> int:
     budget_bytes = int(args.budget * popular_tokens * dense_bytes_per_token())
     arm_names = args.arms.split(",")
     timing_arms = arm_names if args.fusion_off_in is None else args.fusion_off_in.split(",")
+    if unknown := sorted(set(arm_names) - set(ARM_SETTINGS)):
+        parser.error(f"--arms {args.arms!r}: unknown {unknown}; choose from {sorted(ARM_SETTINGS)}")
     if not set(timing_arms) <= set(arm_names):
         parser.error(f"--fusion-off-in {args.fusion_off_in!r}: not among --arms {args.arms!r}")
     runs: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
