@@ -6,6 +6,9 @@ options), each followed by modifiers joined with `+`:
 - `sink<N>`: each chunk's first N tokens first in the budget (EPIC);
 - `fresh<F>`: every token computed in the first F layers and that KV kept (CacheBlend);
 - `layers<a>-<b>`: the scoring layers of `question_attention`, as fractions of the depth;
+- `inline<a>-<b>`: where a request's reuse cannot afford the pass's smallest read,
+  `question_attention` measures the question's attention inside the prefill at these layers
+  (fractions of the depth), every token computed up to the last of them;
 - `wholeprompt`: `question_attention`'s scoring pass reads every token of the prompt (the new
   text between the chunks too) instead of the chunks and the question;
 - `wholequestion`: that pass reads all the text after the last chunk (the question when none is
@@ -88,6 +91,9 @@ def parse_method(method: str) -> Method:
         elif modifier.startswith("layers"):
             start, end = modifier[6:].split("-")
             options["layers"] = (float(start), float(end))
+        elif modifier.startswith("inline"):
+            start, end = modifier[6:].split("-")
+            options["inline_layers"] = (float(start), float(end))
         elif modifier == "wholeprompt":
             options["whole_prompt"] = True
         elif modifier == "wholequestion":

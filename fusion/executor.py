@@ -255,9 +255,19 @@ def _attend_request(
         check = CheckLayerState(
             layer, queries, layer_k, layer_v, reused.keys, reused.values, adapter.attn_scale
         )
+        if layer in state.record_layers:  # measured inline: the check layer's attention counts
+            state.record_question_attention(q, layer_k, adapter.attn_scale)
         state.selected = state.selector.select(
-            SelectionContext(layout, check, combine=adapter.combine_scores)
+            SelectionContext(
+                layout,
+                check,
+                question_attention=state.question_attention,
+                combine=adapter.combine_scores,
+            )
         )
+        if state.job.record_signals and state.question_attention is not None:
+            total = float(state.question_rows)
+            state.signals.update(question_mass(state.question_attention, layout.spans, total))
     elif layer == state.narrow_layer:
         layer_k, layer_v = _after(prefix_k, k), _after(prefix_v, v)  # every token still fresh
     if layer == state.narrow_layer:
@@ -277,7 +287,7 @@ def _attend_request(
         )
     if state.kv_out is not None:
         state.kv_out[layer] = (layer_k, layer_v)
-    if layer in state.job.record_layers:
+    if layer in state.record_layers and layer != state.check_layer:
         state.record_question_attention(q, layer_k, adapter.attn_scale)
     attn = attend(
         q,

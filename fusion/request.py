@@ -111,6 +111,11 @@ SCORING_COST_SHARE = 0.1
 # chat template's few tokens and the question's last words, and a read of a dozen tokens lost
 # the answer's first token where 96 kept it (docs/fusion-quality.md).
 SCORING_MIN_QUESTION_TOKENS = 32
+# What a row costs a scoring pass against a row of the prefill, per layer: the pass computes a
+# few dozen rows, whose projections run below the matrix units' rate and whose per-layer fixed
+# costs (norms, RoPE, recording) are shared by few rows (CPU server, SmolLM2: 154 us a row-layer
+# against the prefill's 62; docs/auto-chunks.md, "The fused requests at low shares").
+SCORING_PASS_ROW_COST = 2.5
 
 
 def question_over_chunks(

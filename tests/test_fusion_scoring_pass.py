@@ -16,8 +16,8 @@ from sglang_hicache_ext.fusion.request import (
     build_layout,
 )
 from sglang_hicache_ext.fusion.rope import apply_rope
-from sglang_hicache_ext.fusion.selectors import make_selector
-from tests.test_fusion_executor import FAMILIES, _ids, _rag_request
+from sglang_hicache_ext.fusion.selectors import make_selector, top_k
+from tests.test_fusion_executor import FAMILIES, _hf_attentions, _ids, _rag_request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -164,3 +164,49 @@ def test_no_scoring_pass_when_first_tokens_fill_the_budget(models: dict, family:
     text = layout.num_tokens - layout.num_chunk_tokens
     assert plain.computed_tokens == (text + selector.budget(layout),) * adapter.shape.num_layers
     torch.testing.assert_close(plain.logits, scored.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inline_scoring_selects_what_the_question_reads_in_the_prefill(
+    models: dict, family: str
+) -> None:
+    """A request whose reuse cannot afford the scoring pass's smallest read has, with inline
+    layers, its question's attention measured inside the prefill: no pass (one walk of the
+    layers), every token computed up to the last inline layer and only the text and the
+    selection after it, and the selection is the chunk tokens the question attends to most at
+    those layers in transformers' own forward of the whole prompt (exact KV there). A request
+    whose reuse affords the pass keeps it."""
+    adapter = models[family]
+    num_layers = adapter.shape.num_layers
+    ids = _ids(17, 40 + SCORING_QUESTION_TOKENS)
+    segments = [
+        ChunkSegment(precompute_chunk(adapter, ids[:40])),
+        TextSegment(tuple(ids[40:])),
+    ]
+    layout = build_layout(segments)
+    selector = make_selector("question_attention", 0.3, inline_layers=(0.25, 0.5))
+    inline = selector.inline_scoring_layers(layout, num_layers)
+    assert inline and max(inline) < num_layers - 1
+    walks: list[int] = []
+    embed = adapter.embed
+
+    def counted(token_ids: torch.Tensor) -> torch.Tensor:
+        walks.append(int(token_ids.numel()))
+        return embed(token_ids)
+
+    adapter.embed = counted
+    try:
+        fused = fused_prefill(adapter, segments, selector)
+    finally:
+        del adapter.embed
+    assert walks == [layout.num_tokens]
+    budget = selector.budget(layout)
+    narrow = (SCORING_QUESTION_TOKENS + budget,) * (num_layers - max(inline) - 1)
+    assert fused.computed_tokens == (layout.num_tokens,) * (max(inline) + 1) + narrow
+    attentions = _hf_attentions(adapter, ids)
+    scores = sum(attentions[layer][0, :, 40:, :40].sum(dim=(0, 1)) for layer in inline)
+    assert torch.equal(fused.selected, torch.sort(top_k(scores, budget)).values)
+
+    long_ids = _ids(18, 600 + SCORING_QUESTION_TOKENS)
+    long_chunk = [ChunkSegment(precompute_chunk(adapter, long_ids[:600])), segments[1]]
+    assert selector.inline_scoring_layers(build_layout(long_chunk), num_layers) == ()

@@ -4,7 +4,9 @@ Every selector scores the chunk tokens of a request (higher = recompute first) a
 turns scores into a fixed budget of round(ratio x chunk tokens) global positions. Selectors with
 a `check_layer` score from that layer's activations (the executor computes every token up to
 it); selectors with `scoring_layers` score from the question's attention in a scoring pass run
-before the prefill (the question over the reused KV, `fusion/executor.py`); the others
+before the prefill (the question over the reused KV, `fusion/executor.py`); a selector may
+instead measure that attention inside the prefill (`inline_scoring_layers`: every token computed
+up to them, the last the check layer) where a pass would cost more; the others
 decide before layer 0 from stored data. Any selector can keep its first `fresh_layers` layers
 fresh for every token: every token is computed there and that KV is kept, and only then does
 the computation narrow to the selection.
@@ -104,6 +106,12 @@ class Selector(ABC):
 
     def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers whose question attention a scoring pass must measure (none: no pass)."""
+        return ()
+
+    def inline_scoring_layers(self, layout: RequestLayout, num_layers: int) -> tuple[int, ...]:
+        """Layers at which this request's question attention is measured inside the prefill
+        instead of by a scoring pass (none: a pass, if any): every token is computed up to the
+        last of them, which is the request's check layer, and the selection made there."""
         return ()
 
     def scoring_question_read(self, layout: RequestLayout, num_layers: int) -> int | None:

@@ -7,7 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from sglang_hicache_ext.fusion.request import SCORING_COST_SHARE, SCORING_QUESTION_TOKENS
+from sglang_hicache_ext.fusion.request import (
+    SCORING_COST_SHARE,
+    SCORING_MIN_QUESTION_TOKENS,
+    SCORING_PASS_ROW_COST,
+    SCORING_QUESTION_TOKENS,
+    RequestLayout,
+)
 from sglang_hicache_ext.fusion.selectors.base import SelectionContext, Selector
 
 
@@ -28,6 +34,12 @@ class QuestionAttentionSelector(Selector):
     all); a prompt's text after its last chunk is its question when none is marked, and may be
     new paragraphs before the question itself. `cost_share`: the read costs at most this share
     of the compute the request's reuse saves (None: no bound; `Selector.scoring_question_read`).
+
+    `inline_layers` ([start, end) fractions, None: always a pass): a request whose reuse cannot
+    afford the pass's smallest read (SCORING_MIN_QUESTION_TOKENS within `cost_share`), and for
+    which computing its chunk tokens up to these layers costs less than that read, has its
+    question's attention measured inside the prefill at these layers instead: every token is
+    computed up to the last of them (exact KV there), and the selection narrows the rows after it.
     """
 
     name = "question_attention"
@@ -42,6 +54,7 @@ class QuestionAttentionSelector(Selector):
         whole_prompt: bool = False,
         question_tokens: int | None = SCORING_QUESTION_TOKENS,
         cost_share: float | None = SCORING_COST_SHARE,
+        inline_layers: tuple[float, float] | None = None,
     ) -> None:
         super().__init__(ratio, sink_tokens, fresh_layers)
         self.scoring_reads_whole_prompt = whole_prompt
@@ -51,16 +64,41 @@ class QuestionAttentionSelector(Selector):
         if cost_share is not None and not 0.0 < cost_share <= 1.0:
             raise ValueError(f"cost_share must be in (0, 1] or None, got {cost_share}")
         self.scoring_cost_share = cost_share
-        start, end = layers
-        if not 0.0 <= start < end <= 1.0:
-            raise ValueError(f"scoring layers must satisfy 0 <= start < end <= 1, got {layers}")
-        self.layers = (float(start), float(end))
+        self.layers = _fractions(layers)
+        self.inline_layers = None if inline_layers is None else _fractions(inline_layers)
 
     def scoring_layers(self, num_layers: int) -> tuple[int, ...]:
-        first = min(math.floor(self.layers[0] * num_layers), num_layers - 1)
-        return tuple(range(first, max(first + 1, math.ceil(self.layers[1] * num_layers))))
+        return _layer_range(self.layers, num_layers)
+
+    def inline_scoring_layers(self, layout: RequestLayout, num_layers: int) -> tuple[int, ...]:
+        read = self.scoring_question_read(layout, num_layers)
+        if self.inline_layers is None or self.scoring_cost_share is None or read is None:
+            return ()
+        skipped = layout.num_chunk_tokens - self.budget(layout)
+        pass_layers = max(self.scoring_layers(num_layers)) + 1
+        saved = skipped * max(num_layers - self.fresh_layers, 0)
+        if self.scoring_cost_share * saved / pass_layers >= SCORING_MIN_QUESTION_TOKENS:
+            return ()  # the pass's read fits in what reuse saves
+        inline = _layer_range(self.inline_layers, num_layers)
+        question = int(layout.is_question.sum())
+        pass_cost = SCORING_PASS_ROW_COST * min(read, question) * pass_layers
+        # Inline, a chunk token left out of the budget is computed up to the last inline layer.
+        return inline if skipped * (max(inline) + 1) < pass_cost else ()
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         if ctx.question_attention is None:
             raise ValueError(f"selector {self.name!r} needs a scoring pass")
         return ctx.question_attention
+
+
+def _fractions(layers: tuple[float, float]) -> tuple[float, float]:
+    start, end = layers
+    if not 0.0 <= start < end <= 1.0:
+        raise ValueError(f"scoring layers must satisfy 0 <= start < end <= 1, got {layers}")
+    return float(start), float(end)
+
+
+def _layer_range(layers: tuple[float, float], num_layers: int) -> tuple[int, ...]:
+    """[start, end) fractions of the depth -> layer indices (at least one)."""
+    first = min(math.floor(layers[0] * num_layers), num_layers - 1)
+    return tuple(range(first, max(first + 1, math.ceil(layers[1] * num_layers))))
