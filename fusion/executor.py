@@ -30,7 +30,6 @@ from sglang_hicache_ext.fusion.request_state import FusionJob, KVCache, RequestS
 from sglang_hicache_ext.fusion.selectors import (
     CheckLayerState,
     ReuseSelector,
-    SelectionContext,
     Selector,
 )
 
@@ -241,7 +240,6 @@ def _attend_request(
     """One request's attention at `layer`: at its check layer the selector chooses, at its
     narrowing layer the rows narrow to the selection. Returns the hidden rows that go on and
     their attention output."""
-    layout = state.layout
     kind = adapter.layers[layer]
     prefix_k, prefix_v = state.prefix_kv(layer, k.dtype)
     if layer == state.check_layer:
@@ -255,19 +253,7 @@ def _attend_request(
         check = CheckLayerState(
             layer, queries, layer_k, layer_v, reused.keys, reused.values, adapter.attn_scale
         )
-        if layer in state.record_layers:  # measured inline: the check layer's attention counts
-            state.record_question_attention(q, layer_k, adapter.attn_scale)
-        state.selected = state.selector.select(
-            SelectionContext(
-                layout,
-                check,
-                question_attention=state.question_attention,
-                combine=adapter.combine_scores,
-            )
-        )
-        if state.job.record_signals and state.question_attention is not None:
-            total = float(state.question_rows)
-            state.signals.update(question_mass(state.question_attention, layout.spans, total))
+        state.select_at_check_layer(check, q)
     elif layer == state.narrow_layer:
         layer_k, layer_v = _after(prefix_k, k), _after(prefix_v, v)  # every token still fresh
     if layer == state.narrow_layer:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_hicache_ext.fusion.adapter import ModelAdapter
-from sglang_hicache_ext.fusion.fidelity_signals import chunk_rows_deviation
+from sglang_hicache_ext.fusion.fidelity_signals import chunk_rows_deviation, question_mass
 from sglang_hicache_ext.fusion.layer_loader import LayerLoader
 from sglang_hicache_ext.fusion.request import (
     RequestLayout,
@@ -24,7 +24,12 @@ from sglang_hicache_ext.fusion.request import (
     after_exact_prefix,
     build_layout,
 )
-from sglang_hicache_ext.fusion.selectors import SelectionContext, Selector, question_logits
+from sglang_hicache_ext.fusion.selectors import (
+    CheckLayerState,
+    SelectionContext,
+    Selector,
+    question_logits,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,6 +183,19 @@ class RequestState:
         self.selected = self.selector.select(ctx)
         if self.narrow_layer is None:
             self._set_active(_with_selected(self.always, self.selected))
+
+    def select_at_check_layer(self, check: CheckLayerState, queries: torch.Tensor) -> None:
+        """Select from the check layer's activations (`queries`: this layer's active rows);
+        measured inline, the question's attention at this layer counts too."""
+        if check.layer in self.record_layers:
+            self.record_question_attention(queries, check.keys, check.scale)
+        ctx = SelectionContext(
+            self.layout, check, self.question_attention, combine=self._combine_scores
+        )
+        self.selected = self.selector.select(ctx)
+        if self.job.record_signals and self.question_attention is not None:
+            total = float(self.question_rows)
+            self.signals.update(question_mass(self.question_attention, self.layout.spans, total))
 
     def record_question_attention(
         self, queries: torch.Tensor, keys: torch.Tensor, scale: float

@@ -16,10 +16,16 @@ from sglang_hicache_ext.fusion.request import (
     build_layout,
 )
 from sglang_hicache_ext.fusion.rope import apply_rope
-from sglang_hicache_ext.fusion.selectors import make_selector, top_k
+from sglang_hicache_ext.fusion.selectors import Selector, make_selector, top_k
 from tests.test_fusion_executor import FAMILIES, _hf_attentions, _ids, _rag_request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _with_pass(**options: object) -> Selector:
+    """The default selector scoring by a pass whatever the request: the tiny requests here
+    save too little to afford the pass's smallest read, and would be scored inline."""
+    return make_selector("question_attention", 0.3, inline_layers=None, **options)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -33,7 +39,7 @@ def test_prefill_taking_the_scoring_pass_layers_equals_loading_them(
     adapter = models[family]
     glued, _ = _rag_request(adapter)
     segments = [glued[0], glued[1], glued[3], glued[4]]  # no text between the chunks
-    selector = make_selector("question_attention", 0.3, fresh_layers=fresh_layers)
+    selector = _with_pass(fresh_layers=fresh_layers)
     handed = fused_prefill(adapter, segments, selector, return_kv=True)
     loaded = fused_prefill(adapter, segments, selector)
     assert torch.equal(handed.selected, loaded.selected)
@@ -60,7 +66,7 @@ def test_scoring_pass_reads_the_chunks_and_the_question_only(models: dict, famil
     new_text = TextSegment(tuple(_ids(11, 40)))
     with_new = [glued[0], glued[1], new_text, glued[3], glued[4]]
     without = [glued[0], glued[1], glued[3], glued[4]]
-    selector = make_selector("question_attention", 0.3)
+    selector = _with_pass()
     fused = [fused_prefill(adapter, segments, selector) for segments in (with_new, without)]
     chunk_rank = [
         torch.searchsorted(build_layout(segments).chunk_positions, result.selected)
@@ -86,7 +92,7 @@ def test_scoring_pass_reads_the_end_of_a_long_question(models: dict, family: str
     long_tail = [*glued[:4], TextSegment(tail)]
     its_end = [*glued[:4], TextSegment(tail[-SCORING_QUESTION_TOKENS:])]
     assert int(build_layout(long_tail).is_question.sum()) == len(tail)
-    selector = make_selector("question_attention", 0.3)
+    selector = _with_pass()
     fused = [fused_prefill(adapter, segments, selector) for segments in (long_tail, its_end)]
     assert fused[0].selected.numel() > 0
     assert torch.equal(fused[0].selected, fused[1].selected)
@@ -109,7 +115,7 @@ def test_scoring_read_costs_at_most_its_share_of_what_reuse_saves(
     chunk = precompute_chunk(adapter, ids[:chunk_tokens])
     segments = [ChunkSegment(chunk), TextSegment(tuple(ids[chunk_tokens:]))]
     layout = build_layout(segments)
-    bounded = make_selector("question_attention", 0.3)
+    bounded = _with_pass()
     num_layers = adapter.shape.num_layers
     skipped_layers = (layout.num_chunk_tokens - bounded.budget(layout)) * num_layers
     pass_layers = max(bounded.scoring_layers(num_layers)) + 1
@@ -184,7 +190,7 @@ def test_inline_scoring_selects_what_the_question_reads_in_the_prefill(
         TextSegment(tuple(ids[40:])),
     ]
     layout = build_layout(segments)
-    selector = make_selector("question_attention", 0.3, inline_layers=(0.25, 0.5))
+    selector = make_selector("question_attention", 0.3)  # inline layers by default
     inline = selector.inline_scoring_layers(layout, num_layers)
     assert inline and max(inline) < num_layers - 1
     walks: list[int] = []

@@ -44,6 +44,9 @@ class QuestionAttentionSelector(Selector):
 
     name = "question_attention"
     DEFAULT_LAYERS: ClassVar[tuple[float, float]] = (0.25, 0.75)
+    # The first half of that range: on the low-share Qwen prompts every answer was kept, where
+    # stopping earlier lost one (docs/fusion-quality.md, "Below the scoring read's floor").
+    DEFAULT_INLINE_LAYERS: ClassVar[tuple[float, float]] = (0.25, 0.5)
 
     def __init__(
         self,
@@ -54,7 +57,7 @@ class QuestionAttentionSelector(Selector):
         whole_prompt: bool = False,
         question_tokens: int | None = SCORING_QUESTION_TOKENS,
         cost_share: float | None = SCORING_COST_SHARE,
-        inline_layers: tuple[float, float] | None = None,
+        inline_layers: tuple[float, float] | None = DEFAULT_INLINE_LAYERS,
     ) -> None:
         super().__init__(ratio, sink_tokens, fresh_layers)
         self.scoring_reads_whole_prompt = whole_prompt
