@@ -113,8 +113,9 @@ SCORING_COST_SHARE = 0.1
 SCORING_MIN_QUESTION_TOKENS = 32
 # What a row costs a scoring pass against a row of the prefill, per layer: the pass computes a
 # few dozen rows, whose projections run below the matrix units' rate and whose per-layer fixed
-# costs (norms, RoPE, recording) are shared by few rows (CPU server, SmolLM2: 154 us a row-layer
-# against the prefill's 62; docs/auto-chunks.md, "The fused requests at low shares").
+# costs (norms, RoPE, recording) are shared by few rows. CPU server, SmolLM2: 32 rows through 23
+# layers in 145-203 ms, 200-280 us a row-layer against the prefill's 62-86 (docs/auto-chunks.md,
+# "What the benchmark resolves, and the fused requests at low shares"); the low end is kept.
 SCORING_PASS_ROW_COST = 2.5
 
 

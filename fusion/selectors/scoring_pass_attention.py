@@ -45,7 +45,7 @@ class QuestionAttentionSelector(Selector):
     name = "question_attention"
     DEFAULT_LAYERS: ClassVar[tuple[float, float]] = (0.25, 0.75)
     # The first half of that range: on the low-share Qwen prompts every answer was kept, where
-    # stopping earlier lost one (docs/fusion-quality.md, "Below the scoring read's floor").
+    # stopping earlier lost one (docs/fusion-quality.md, "What the scoring pass reads").
     DEFAULT_INLINE_LAYERS: ClassVar[tuple[float, float]] = (0.25, 0.5)
 
     def __init__(
@@ -90,7 +90,7 @@ class QuestionAttentionSelector(Selector):
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
         if ctx.question_attention is None:
-            raise ValueError(f"selector {self.name!r} needs a scoring pass")
+            raise ValueError(f"{self.name!r} needs the question's attention (a pass or inline)")
         return ctx.question_attention
 
 
