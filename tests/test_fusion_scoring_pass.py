@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
+from sglang_hicache_ext.fusion.adapters.hf import HFCausalLMAdapter
 from sglang_hicache_ext.fusion.executor import FusionJob, fused_prefill, fused_prefill_batch
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import (
@@ -20,6 +24,23 @@ from sglang_hicache_ext.fusion.selectors import Selector, make_selector, top_k
 from tests.test_fusion_executor import FAMILIES, _hf_attentions, _ids, _rag_request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@contextmanager
+def _walks_counted(adapter: HFCausalLMAdapter) -> Iterator[list[int]]:
+    """The rows each walk of the layers starts with (one embedding call per walk)."""
+    walks: list[int] = []
+    embed = adapter.embed
+
+    def counted(token_ids: torch.Tensor) -> torch.Tensor:
+        walks.append(int(token_ids.numel()))
+        return embed(token_ids)
+
+    adapter.embed = counted  # type: ignore[method-assign]
+    try:
+        yield walks
+    finally:
+        del adapter.embed
 
 
 def _with_pass(**options: object) -> Selector:
@@ -146,23 +167,13 @@ def test_no_scoring_pass_when_first_tokens_fill_the_budget(models: dict, family:
     selector = make_selector("question_attention", 0.3, sink_tokens=8)
     layout = build_layout(segments)
     assert 0 < selector.budget(layout) <= 16 and not selector.scores_decide(layout)
-    walks: list[int] = []
-    embed = adapter.embed
-
-    def counted(token_ids: torch.Tensor) -> torch.Tensor:
-        walks.append(int(token_ids.numel()))
-        return embed(token_ids)
-
-    adapter.embed = counted
-    try:
+    with _walks_counted(adapter) as walks:
         plain = fused_prefill(adapter, segments, selector)
         assert len(walks) == 1
         # The fidelity signals come from the scoring pass: asked for, it still runs.
         (scored,) = fused_prefill_batch(
             adapter, [FusionJob(segments, selector, record_signals=True)]
         )
-    finally:
-        del adapter.embed
     assert len(walks) == 3
     first = torch.cat([torch.arange(s.start, s.start + 8) for s in layout.spans])
     assert torch.equal(plain.selected, first[: selector.budget(layout)])
@@ -193,18 +204,8 @@ def test_inline_scoring_selects_what_the_question_reads_in_the_prefill(
     selector = make_selector("question_attention", 0.3)  # inline layers by default
     inline = selector.inline_scoring_layers(layout, num_layers)
     assert inline and max(inline) < num_layers - 1
-    walks: list[int] = []
-    embed = adapter.embed
-
-    def counted(token_ids: torch.Tensor) -> torch.Tensor:
-        walks.append(int(token_ids.numel()))
-        return embed(token_ids)
-
-    adapter.embed = counted
-    try:
+    with _walks_counted(adapter) as walks:
         fused = fused_prefill(adapter, segments, selector)
-    finally:
-        del adapter.embed
     assert walks == [layout.num_tokens]
     budget = selector.budget(layout)
     narrow = (SCORING_QUESTION_TOKENS + budget,) * (num_layers - max(inline) - 1)
