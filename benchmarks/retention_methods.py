@@ -8,7 +8,8 @@ options), each followed by modifiers joined with `+`:
 - `layers<a>-<b>`: the scoring layers of `question_attention`, as fractions of the depth;
 - `inline<a>-<b>`: where a request's reuse cannot afford the pass's smallest read,
   `question_attention` measures the question's attention inside the prefill at these layers
-  (fractions of the depth), every token computed up to the last of them;
+  (fractions of the depth), every token computed up to the last of them (default 0.25-0.5);
+  `noinline`: a scoring pass whatever the request's reuse (the default before f0bdfa9);
 - `wholeprompt`: `question_attention`'s scoring pass reads every token of the prompt (the new
   text between the chunks too) instead of the chunks and the question;
 - `wholequestion`: that pass reads all the text after the last chunk (the question when none is
@@ -91,6 +92,8 @@ def parse_method(method: str) -> Method:
         elif modifier.startswith("layers"):
             start, end = modifier[6:].split("-")
             options["layers"] = (float(start), float(end))
+        elif modifier == "noinline":
+            options["inline_layers"] = None
         elif modifier.startswith("inline"):
             start, end = modifier[6:].split("-")
             options["inline_layers"] = (float(start), float(end))

@@ -245,7 +245,7 @@ def _attend_request(
     if layer == state.check_layer:
         # Every token after the prefix was computed up to here, in position order.
         layer_k, layer_v = _after(prefix_k, k), _after(prefix_v, v)
-        reused = _load_reused(adapter, state, layer, state.every_row())
+        reused = _load_reused(adapter, state, layer, state.load_plan(layer))
         # Selectors index queries by global position; cached prefix rows have none (zeros).
         queries = _after(
             None if prefix_k is None else q.new_zeros((state.prefix_len, *q.shape[1:])), q

@@ -52,6 +52,11 @@ class KVCache:
         return self.num_tokens if self.next_position is None else self.next_position
 
 
+# Elements of one block of question logits [heads, question rows, keys]: inline the keys are the
+# whole prompt, and 96 rows of 32 heads over 128K keys would be 1.6 GB in fp32 at once.
+QUESTION_LOGITS_BLOCK = 1 << 24
+
+
 @dataclass(frozen=True, eq=False)
 class FusionJob:
     """One request of a fused prefill.
@@ -138,6 +143,7 @@ class RequestState:
             self.selector.scoring_layers(num_layers) if scored and not inline else ()
         )
         self.record_layers = inline or job.record_layers
+        self.inline = bool(inline)
         # Inline, the question's last tokens whose attention counts (a pass reads its own).
         self._question_cap = self.selector.scoring_question_tokens if inline else None
         fresh = self.selector.fresh_layers
@@ -201,15 +207,19 @@ class RequestState:
         self, queries: torch.Tensor, keys: torch.Tensor, scale: float
     ) -> None:
         """Add the softmax attention of this layer's question queries (post-RoPE, [Q, Hq, D]
-        among the active rows) to each chunk token, summed over heads and question tokens."""
+        among the active rows) to each chunk token, summed over heads and question tokens.
+        Computed a block of question rows at a time: inline, the keys are the whole prompt."""
         question = self.question_rows_active
-        logits = question_logits(queries[question], self.q_pos[question], keys, scale)
-        self.question_rows += logits.shape[0] * logits.shape[1]
-        # Summed on the device; `apply_scores` reads it back once, after the last layer.
-        scores = logits.softmax(dim=-1).sum(dim=(0, 1))[self._chunk_positions]
-        self.question_attention = (
-            scores if self.question_attention is None else self.question_attention + scores
-        )
+        step = max(1, QUESTION_LOGITS_BLOCK // (queries.shape[1] * keys.shape[0]))
+        for start in range(0, int(question.numel()), step):
+            rows = question[start : start + step]
+            logits = question_logits(queries[rows], self.q_pos[rows], keys, scale)
+            self.question_rows += logits.shape[0] * logits.shape[1]
+            # Summed on the device; `apply_scores` reads it back once, after the last layer.
+            scores = logits.softmax(dim=-1).sum(dim=(0, 1))[self._chunk_positions]
+            self.question_attention = (
+                scores if self.question_attention is None else self.question_attention + scores
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -270,16 +280,20 @@ class RequestState:
     def load_plan(self, layer: int) -> list[torch.Tensor] | None:
         """Per chunk occurrence, the stored rows `layer` reads (None: not known yet). Up to the
         narrowing layer every token is computed (nothing to read) except at the check layer,
-        where every row is read for the selector; after it, the rows not selected."""
+        where every row is read for the selector (none when it scores inline); after it, the
+        rows not selected."""
         if layer in self.kv_in:
             return [rows[:0] for rows in self.plan]  # handed over by the scoring pass
         if self.narrow_layer is None:
             return self.plan
-        if layer == self.check_layer:
-            return self.every_row()
+        if layer == self.check_layer:  # inline, the question's attention reads no stored row
+            return self._nothing() if self.inline else self.every_row()
         if layer <= self.narrow_layer:
-            return [rows[:0] for rows in self.every_row()]
+            return self._nothing()
         return self.plan if self.narrowed else None
+
+    def _nothing(self) -> list[torch.Tensor]:
+        return [rows[:0] for rows in self.every_row()]
 
     def prefetch(self, layer: int) -> None:
         """Start reading `layer`'s stored rows of slow-tier chunks, if the plan is known."""

@@ -19,7 +19,12 @@ from sglang_hicache_ext.fusion.frequency import frequency_scores, layer_frequenc
 from sglang_hicache_ext.fusion.precompute import precompute_chunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, TextSegment, build_layout
 from sglang_hicache_ext.fusion.rope import apply_rope
-from sglang_hicache_ext.fusion.selectors import A3Selector, SelectionContext, make_selector
+from sglang_hicache_ext.fusion.selectors import (
+    A3Selector,
+    SelectionContext,
+    Selector,
+    make_selector,
+)
 from sglang_hicache_ext.tiers.chunks.chunk_tensors import tensor_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -30,6 +35,16 @@ ATOL = 1e-4
 # the row count), so results equal one-by-one runs within fp32 noise, not bit for bit (measured
 # at most 1.2e-7 on the tiny models' logits).
 BATCH_ATOL = 1e-5
+
+
+def selector_of(spec: str, ratio: float, **options: object) -> Selector:
+    """`<selector>` or `question_attention:pass`: the default selector scoring by its pass
+    whatever the request (these tiny requests save too little to afford the pass, and would
+    be scored inline)."""
+    name, _, mode = spec.partition(":")
+    if mode == "pass":
+        options["inline_layers"] = None
+    return make_selector(name, ratio, **options)
 
 
 def _ids(seed: int, n: int) -> list[int]:

@@ -21,7 +21,7 @@ from sglang_hicache_ext.fusion.request import (
 )
 from sglang_hicache_ext.fusion.rope import apply_rope
 from sglang_hicache_ext.fusion.selectors import Selector, make_selector, top_k
-from tests.test_fusion_executor import FAMILIES, _hf_attentions, _ids, _rag_request
+from tests.test_fusion_executor import BATCH_ATOL, FAMILIES, _hf_attentions, _ids, _rag_request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -190,12 +190,14 @@ def test_inline_scoring_selects_what_the_question_reads_in_the_prefill(
     """A request whose reuse cannot afford the scoring pass's smallest read has, with inline
     layers, its question's attention measured inside the prefill: no pass (one walk of the
     layers), every token computed up to the last inline layer and only the text and the
-    selection after it, and the selection is the chunk tokens the question attends to most at
-    those layers in transformers' own forward of the whole prompt (exact KV there). A request
-    whose reuse affords the pass keeps it."""
+    selection after it, and the selection is the chunk tokens the question's last
+    SCORING_QUESTION_TOKENS attend to most at those layers in transformers' own forward of the
+    whole prompt (exact KV there). A request whose reuse affords the pass keeps it, and both
+    batched together select as each does alone."""
     adapter = models[family]
     num_layers = adapter.shape.num_layers
-    ids = _ids(17, 40 + SCORING_QUESTION_TOKENS)
+    question = SCORING_QUESTION_TOKENS + 30  # longer than the rows that count
+    ids = _ids(17, 40 + question)
     segments = [
         ChunkSegment(precompute_chunk(adapter, ids[:40])),
         TextSegment(tuple(ids[40:])),
@@ -208,12 +210,19 @@ def test_inline_scoring_selects_what_the_question_reads_in_the_prefill(
         fused = fused_prefill(adapter, segments, selector)
     assert walks == [layout.num_tokens]
     budget = selector.budget(layout)
-    narrow = (SCORING_QUESTION_TOKENS + budget,) * (num_layers - max(inline) - 1)
+    narrow = (question + budget,) * (num_layers - max(inline) - 1)
     assert fused.computed_tokens == (layout.num_tokens,) * (max(inline) + 1) + narrow
     attentions = _hf_attentions(adapter, ids)
-    scores = sum(attentions[layer][0, :, 40:, :40].sum(dim=(0, 1)) for layer in inline)
+    last = slice(layout.num_tokens - SCORING_QUESTION_TOKENS, None)
+    scores = sum(attentions[layer][0, :, last, :40].sum(dim=(0, 1)) for layer in inline)
     assert torch.equal(fused.selected, torch.sort(top_k(scores, budget)).values)
 
     long_ids = _ids(18, 600 + SCORING_QUESTION_TOKENS)
     long_chunk = [ChunkSegment(precompute_chunk(adapter, long_ids[:600])), segments[1]]
     assert selector.inline_scoring_layers(build_layout(long_chunk), num_layers) == ()
+    alone = fused_prefill(adapter, long_chunk, selector)
+    jobs = [FusionJob(segments, selector), FusionJob(long_chunk, selector)]
+    batched = fused_prefill_batch(adapter, jobs)
+    for one, together in zip((fused, alone), batched, strict=True):
+        assert torch.equal(one.selected, together.selected)
+        torch.testing.assert_close(one.logits, together.logits, rtol=0, atol=BATCH_ATOL)

@@ -13,14 +13,14 @@ from sglang_hicache_ext.fusion.executor import fused_prefill, fused_prefill_batc
 from sglang_hicache_ext.fusion.host_chunk import HostChunk
 from sglang_hicache_ext.fusion.request import ChunkSegment, Segment
 from sglang_hicache_ext.fusion.request_state import FusionJob
-from sglang_hicache_ext.fusion.selectors import make_selector
-from tests.test_fusion_executor import _rag_request
+from tests.test_fusion_executor import _rag_request, selector_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # freq selects before the first layer; a3 at its check layer (reads every row there);
-# question_attention after a scoring pass that reads every row of its layers.
-SELECTORS = ["freq", "a3", "question_attention"]
+# question_attention inline on these small requests, and after a scoring pass that reads every
+# row of its layers (":pass").
+SELECTORS = ["freq", "a3", "question_attention", "question_attention:pass"]
 
 
 def _held(segments: list[Segment], dense_above: float) -> list[Segment]:
@@ -40,7 +40,7 @@ def test_host_chunks_give_the_in_memory_result(
 ) -> None:
     adapter = models["llama"]
     segments, _ = _rag_request(adapter)
-    selector = make_selector(selector_name, 0.15, sink_tokens=2)
+    selector = selector_of(selector_name, 0.15, sink_tokens=2)
     in_memory = fused_prefill(adapter, segments, selector, return_kv=True)
     held = _held(segments, dense_above)
     assert not any(s.chunk.in_memory for s in held if isinstance(s, ChunkSegment))

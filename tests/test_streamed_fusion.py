@@ -17,13 +17,14 @@ from sglang_hicache_ext.fusion.selectors import make_selector
 from sglang_hicache_ext.sglang_ext.chunk_fusion.streamed_chunk import StreamedChunk
 from sglang_hicache_ext.tiers.chunks.disk_tier import ChunkDiskTier
 from sglang_hicache_ext.tiers.chunks.header import CorruptChunkError
-from tests.test_fusion_executor import FAMILIES, _hf_prefix, _rag_request
+from tests.test_fusion_executor import FAMILIES, _hf_prefix, _rag_request, selector_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # freq selects before the first layer; a3 and question_error at their check layer;
-# question_attention after a scoring pass that reads the rows too.
-SELECTORS = ["freq", "a3", "question_error", "question_attention"]
+# question_attention inline on these small requests, and after a scoring pass that reads the
+# rows too (":pass").
+SELECTORS = ["freq", "a3", "question_error", "question_attention", "question_attention:pass"]
 
 
 def _streamed(segments: list[Segment], tier: ChunkDiskTier) -> list[Segment]:
@@ -51,7 +52,7 @@ def test_streamed_chunks_give_the_in_memory_result(
 ) -> None:
     adapter: HFCausalLMAdapter = models[family]
     segments, _ = _rag_request(adapter)
-    selector = make_selector(selector_name, 0.15)
+    selector = selector_of(selector_name, 0.15)
     in_memory = fused_prefill(adapter, segments, selector, return_kv=True)
     streamed = _streamed(segments, ChunkDiskTier(tmp_path, 10**8))
     job = FusionJob(streamed, selector, return_kv=True, overlap_loads=overlap)
