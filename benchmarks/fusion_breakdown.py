@@ -250,8 +250,7 @@ def work_of(
     question = int(layout.is_question.sum()) if name == "a3" else 0
     # Layers every token is computed in (a check layer, inline scoring layers, fresh layers);
     # the scoring pass's work is not counted here (its time is, as scoring_pass).
-    decides = selector.scores_decide(layout)
-    inline = selector.inline_scoring_layers(layout, shape.num_layers) if decides else ()
+    inline = selector.inline_scoring_layers(layout, shape.num_layers)
     checked = max(selector.check_layer or 0, max(inline, default=-1) + 1)
     full_layers = max(checked, selector.fresh_layers) or None
     return fused_work(

@@ -133,19 +133,16 @@ class RequestState:
         # When the chunks' first tokens fill the budget the selection needs no scores, and no
         # scoring pass runs (unless the fidelity signals, which it records, are asked for). A
         # check layer still runs: the KV it computes for every token up to it is kept.
-        decides = self.selector.scores_decide(self.layout)
-        scored = decides or job.record_signals
+        scored = self.selector.scores_decide(self.layout) or job.record_signals
         # Where a scoring pass would cost more than computing the chunk tokens up to them, the
         # question's attention is measured inside the prefill: the last such layer checks.
-        inline = self.selector.inline_scoring_layers(self.layout, num_layers) if decides else ()
+        inline = self.selector.inline_scoring_layers(self.layout, num_layers)
         self.check_layer = max(inline) if inline else self.selector.check_layer
         self.scoring_layers = (
             self.selector.scoring_layers(num_layers) if scored and not inline else ()
         )
         self.record_layers = inline or job.record_layers
         self.inline = bool(inline)
-        # Inline, the question's last tokens whose attention counts (a pass reads its own).
-        self._question_cap = self.selector.scoring_question_tokens if inline else None
         fresh = self.selector.fresh_layers
         checked = -1 if self.check_layer is None else self.check_layer
         # Where the computation narrows to the selection (None: it starts narrow at layer 0).
@@ -330,8 +327,9 @@ class RequestState:
         count = self.q_pos_host.numel()
         self.causal = count > 0 and int(self.q_pos_host[0]) == self.layout.num_tokens - count
         question = torch.nonzero(self.layout.is_question[active]).flatten()
-        if self._question_cap is not None:
-            question = question[-self._question_cap :]
+        cap = self.selector.scoring_question_tokens
+        if self.inline and cap is not None:  # the question's last tokens (a pass reads its own)
+            question = question[-cap:]
         self.question_rows_active = question.to(self.device)
         self._plan_positions: torch.Tensor | None = None
         # Per chunk occurrence, the local rows to load from the store (those not computed).

@@ -20,8 +20,15 @@ from sglang_hicache_ext.fusion.request import (
     build_layout,
 )
 from sglang_hicache_ext.fusion.rope import apply_rope
-from sglang_hicache_ext.fusion.selectors import Selector, make_selector, top_k
-from tests.test_fusion_executor import BATCH_ATOL, FAMILIES, _hf_attentions, _ids, _rag_request
+from sglang_hicache_ext.fusion.selectors import make_selector, top_k
+from tests.test_fusion_executor import (
+    BATCH_ATOL,
+    FAMILIES,
+    _hf_attentions,
+    _ids,
+    _rag_request,
+    selector_of,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,12 +50,6 @@ def _walks_counted(adapter: HFCausalLMAdapter) -> Iterator[list[int]]:
         del adapter.embed
 
 
-def _with_pass(**options: object) -> Selector:
-    """The default selector scoring by a pass whatever the request: the tiny requests here
-    save too little to afford the pass's smallest read, and would be scored inline."""
-    return make_selector("question_attention", 0.3, inline_layers=None, **options)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("fresh_layers", [0, 2])
 def test_prefill_taking_the_scoring_pass_layers_equals_loading_them(
@@ -60,7 +61,7 @@ def test_prefill_taking_the_scoring_pass_layers_equals_loading_them(
     adapter = models[family]
     glued, _ = _rag_request(adapter)
     segments = [glued[0], glued[1], glued[3], glued[4]]  # no text between the chunks
-    selector = _with_pass(fresh_layers=fresh_layers)
+    selector = selector_of("question_attention:pass", 0.3, fresh_layers=fresh_layers)
     handed = fused_prefill(adapter, segments, selector, return_kv=True)
     loaded = fused_prefill(adapter, segments, selector)
     assert torch.equal(handed.selected, loaded.selected)
@@ -87,7 +88,7 @@ def test_scoring_pass_reads_the_chunks_and_the_question_only(models: dict, famil
     new_text = TextSegment(tuple(_ids(11, 40)))
     with_new = [glued[0], glued[1], new_text, glued[3], glued[4]]
     without = [glued[0], glued[1], glued[3], glued[4]]
-    selector = _with_pass()
+    selector = selector_of("question_attention:pass", 0.3)
     fused = [fused_prefill(adapter, segments, selector) for segments in (with_new, without)]
     chunk_rank = [
         torch.searchsorted(build_layout(segments).chunk_positions, result.selected)
@@ -113,7 +114,7 @@ def test_scoring_pass_reads_the_end_of_a_long_question(models: dict, family: str
     long_tail = [*glued[:4], TextSegment(tail)]
     its_end = [*glued[:4], TextSegment(tail[-SCORING_QUESTION_TOKENS:])]
     assert int(build_layout(long_tail).is_question.sum()) == len(tail)
-    selector = _with_pass()
+    selector = selector_of("question_attention:pass", 0.3)
     fused = [fused_prefill(adapter, segments, selector) for segments in (long_tail, its_end)]
     assert fused[0].selected.numel() > 0
     assert torch.equal(fused[0].selected, fused[1].selected)
@@ -136,7 +137,7 @@ def test_scoring_read_costs_at_most_its_share_of_what_reuse_saves(
     chunk = precompute_chunk(adapter, ids[:chunk_tokens])
     segments = [ChunkSegment(chunk), TextSegment(tuple(ids[chunk_tokens:]))]
     layout = build_layout(segments)
-    bounded = _with_pass()
+    bounded = selector_of("question_attention:pass", 0.3)
     num_layers = adapter.shape.num_layers
     skipped_layers = (layout.num_chunk_tokens - bounded.budget(layout)) * num_layers
     pass_layers = max(bounded.scoring_layers(num_layers)) + 1

@@ -110,8 +110,9 @@ class Selector(ABC):
 
     def inline_scoring_layers(self, layout: RequestLayout, num_layers: int) -> tuple[int, ...]:
         """Layers at which this request's question attention is measured inside the prefill
-        instead of by a scoring pass (none: a pass, if any): every token is computed up to the
-        last of them, which is the request's check layer, and the selection made there."""
+        instead of by a scoring pass (none: a pass, if any; never when the scores decide
+        nothing): every token is computed up to the last of them, which is the request's check
+        layer, and the selection made there."""
         return ()
 
     def scoring_question_read(self, layout: RequestLayout, num_layers: int) -> int | None:
@@ -121,13 +122,20 @@ class Selector(ABC):
         SCORING_MIN_QUESTION_TOKENS. A question token goes through the pass's layers; each
         chunk token left out of the budget skips every layer past the fresh ones."""
         cap = self.scoring_question_tokens
-        layers = self.scoring_layers(num_layers)
-        if cap is None or self.scoring_cost_share is None or not layers:
+        affordable = self.affordable_question_read(layout, num_layers)
+        if cap is None or affordable is None:
             return cap
+        return min(cap, max(SCORING_MIN_QUESTION_TOKENS, int(affordable)))
+
+    def affordable_question_read(self, layout: RequestLayout, num_layers: int) -> float | None:
+        """How many question tokens a scoring pass may read for `scoring_cost_share` of what
+        reusing the chunk tokens saves (None: no bound, or no pass)."""
+        layers = self.scoring_layers(num_layers)
+        if self.scoring_cost_share is None or not layers:
+            return None
         skipped = layout.num_chunk_tokens - self.budget(layout)
         saved = skipped * max(num_layers - self.fresh_layers, 0)
-        affordable = int(self.scoring_cost_share * saved / (max(layers) + 1))
-        return min(cap, max(SCORING_MIN_QUESTION_TOKENS, affordable))
+        return self.scoring_cost_share * saved / (max(layers) + 1)
 
     def budget(self, layout: RequestLayout) -> int:
         """Number of chunk tokens to recompute in this request."""

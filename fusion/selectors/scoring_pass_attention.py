@@ -75,17 +75,17 @@ class QuestionAttentionSelector(Selector):
 
     def inline_scoring_layers(self, layout: RequestLayout, num_layers: int) -> tuple[int, ...]:
         read = self.scoring_question_read(layout, num_layers)
-        if self.inline_layers is None or self.scoring_cost_share is None or read is None:
+        affordable = self.affordable_question_read(layout, num_layers)
+        if self.inline_layers is None or read is None or affordable is None:
             return ()
-        skipped = layout.num_chunk_tokens - self.budget(layout)
-        pass_layers = max(self.scoring_layers(num_layers)) + 1
-        saved = skipped * max(num_layers - self.fresh_layers, 0)
-        if self.scoring_cost_share * saved / pass_layers >= SCORING_MIN_QUESTION_TOKENS:
-            return ()  # the pass's read fits in what reuse saves
+        if affordable >= SCORING_MIN_QUESTION_TOKENS or not self.scores_decide(layout):
+            return ()  # the pass's read fits in what reuse saves, or no scores are needed
         inline = _layer_range(self.inline_layers, num_layers)
         question = int(layout.is_question.sum())
+        pass_layers = max(self.scoring_layers(num_layers)) + 1
         pass_cost = SCORING_PASS_ROW_COST * min(read, question) * pass_layers
         # Inline, a chunk token left out of the budget is computed up to the last inline layer.
+        skipped = layout.num_chunk_tokens - self.budget(layout)
         return inline if skipped * (max(inline) + 1) < pass_cost else ()
 
     def score(self, ctx: SelectionContext) -> torch.Tensor:
